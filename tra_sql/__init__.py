@@ -1,0 +1,18 @@
+"""tra_sql: tensor programs as relational SQL.
+
+Tensors are tile relations in DuckDB; extended einsum programs are rewritten through sqlglot
+into SQL that joins tiles, runs Numba/BLAS tile kernels as UDFs and aggregates with GROUP BY.
+"""
+
+from tra_sql.errors import (
+    CorruptTileError, DTypeError, ExecutionError, ShapeError, SpecError, TensorExistsError,
+    TraError, UnknownTensorError,
+)
+from tra_sql.session import Session, connect
+from tra_sql.tensor import Tensor
+
+__all__ = [
+    "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
+    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,186 @@
+"""Tensor relations: the catalog table, and moving tiles between NumPy, Arrow and DuckDB."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from importlib import resources
+from math import ceil, prod
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from tra_sql.errors import (
+    CorruptTileError, DTypeError, ShapeError, SpecError, TensorExistsError, UnknownTensorError,
+)
+
+CATALOG_TABLE = "tra_tensors"
+DTYPES = ("float32", "float64", "int32", "int64")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+DEFAULT_TILE_ELEMENTS = 1 << 20
+
+
+def catalog_ddl() -> str:
+    return resources.files("tra_sql.sql").joinpath("catalog.sql").read_text()
+
+
+def check_dtype(dtype) -> np.dtype:
+    """The numpy dtype, if tra_sql can store it."""
+    dt = np.dtype(dtype)
+    if dt.name not in DTYPES:
+        raise DTypeError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+    return dt
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or name.lower() == CATALOG_TABLE:
+        raise SpecError(f"{name!r} is not a valid tensor name (letters, digits, _; not "
+                        f"'{CATALOG_TABLE}')")
+    return name
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A catalog row: a tensor's name, dtype, full shape and interior tile shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    tile: tuple[int, ...]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of tiles along each dimension."""
+        return tuple(ceil(n / t) for n, t in zip(self.shape, self.tile))
+
+    def tile_shape(self, key) -> tuple[int, ...]:
+        return tuple(min(t, n - k * t) for k, n, t in zip(key, self.shape, self.tile))
+
+
+def default_tile(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Halve the largest dimension until a tile holds at most 2^20 elements."""
+    tile = list(shape)
+    while prod(tile) > DEFAULT_TILE_ELEMENTS:
+        d = max(range(len(tile)), key=tile.__getitem__)
+        tile[d] = ceil(tile[d] / 2)
+    return tuple(tile)
+
+
+def check_tile(shape: tuple[int, ...], tile, name: str) -> tuple[int, ...]:
+    """Validate a tile shape for ``shape`` (``None`` picks ``default_tile``)."""
+    if any(n <= 0 for n in shape):
+        raise ShapeError(f"tensor '{name}' has an empty dimension: shape {shape}")
+    if tile is None:
+        return default_tile(shape)
+    tile = (tile,) * len(shape) if isinstance(tile, int) else tuple(tile)
+    if len(tile) != len(shape) or any(not isinstance(t, (int, np.integer)) or t < 1 for t in tile):
+        raise ShapeError(f"tile {tile} does not fit tensor '{name}' of shape {shape}: "
+                         f"give {len(shape)} positive integers")
+    return tuple(min(int(t), n) for t, n in zip(tile, shape))
+
+
+def ensure_catalog(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(catalog_ddl()).fetchall()
+
+
+def lookup(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo:
+    rows = con.execute(
+        f"SELECT dtype, shape, tile_shape FROM {CATALOG_TABLE} WHERE name = ?", [name]
+    ).fetchall()
+    if not rows:
+        raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
+    dtype, shape, tile = rows[0]
+    return TensorInfo(name, np.dtype(dtype), tuple(shape), tuple(tile))
+
+
+def list_tensors(con: duckdb.DuckDBPyConnection) -> list[str]:
+    return [r[0] for r in con.execute(f"SELECT name FROM {CATALOG_TABLE} ORDER BY name").fetchall()]
+
+
+def table_exists(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return con.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
+        "AND database_name = current_database() AND schema_name = current_schema()",
+        [name],
+    ).fetchall()[0][0] > 0
+
+
+def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
+    """The tile relation of ``array``: int32 keys ``k0..`` and a BLOB ``tile`` per tile."""
+    info = TensorInfo("", array.dtype, array.shape, tile)
+    keys = list(itertools.product(*(range(g) for g in info.grid)))
+    sizes = [prod(info.tile_shape(k)) * array.dtype.itemsize for k in keys]
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    data = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for i, key in enumerate(keys):
+        region = tuple(slice(k * t, k * t + s) for k, t, s in zip(key, tile, info.tile_shape(key)))
+        data[offsets[i] : offsets[i + 1]].view(array.dtype).reshape(info.tile_shape(key))[...] = array[region]
+    columns = {f"k{d}": pa.array([k[d] for k in keys], pa.int32()) for d in range(array.ndim)}
+    columns["tile"] = pa.Array.from_buffers(
+        pa.large_binary(), len(keys), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+    return pa.table(columns)
+
+
+def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
+    """Lay the tiles of a tile relation into one array; absent tiles are zeros."""
+    out = np.zeros(info.shape, dtype=info.dtype)
+    if tiles.num_rows == 0:
+        return out
+    rank = len(info.shape)
+    keys = np.stack([tiles.column(f"k{d}").to_numpy() for d in range(rank)], axis=1) if rank else \
+        np.zeros((tiles.num_rows, 0), dtype=np.int64)
+    blobs = tiles.column("tile").combine_chunks()
+    for key, blob in zip(keys, blobs):
+        if any(k < 0 or k >= g for k, g in zip(key, info.grid)):
+            raise CorruptTileError(f"tensor '{info.name}' has a tile at key {tuple(key)} outside "
+                                   f"its grid {info.grid}")
+        shape = info.tile_shape(key)
+        raw = blob.as_buffer()
+        expected = prod(shape) * info.dtype.itemsize
+        if raw is None or raw.size != expected:
+            held = "is NULL" if raw is None else f"holds {raw.size} bytes"
+            raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{info.name}' "
+                                   f"{held}; shape {shape} and dtype {info.dtype} need {expected}")
+        region = tuple(slice(k * t, k * t + s) for k, t, s in zip(key, info.tile, shape))
+        out[region] = np.frombuffer(raw, dtype=info.dtype).reshape(shape)
+    return out
+
+
+def create_tensor_table(
+    con: duckdb.DuckDBPyConnection, info: TensorInfo, select_sql: str, replace: bool = False
+) -> None:
+    """Create table ``info.name`` from ``select_sql`` and its catalog row, atomically."""
+    check_name(info.name)
+    con.execute("BEGIN TRANSACTION").fetchall()
+    try:
+        if table_exists(con, info.name):
+            if not replace:
+                raise TensorExistsError(f"a table named '{info.name}' exists already; "
+                                        f"pass replace=True to overwrite it")
+            con.execute(f'DROP TABLE "{info.name}"').fetchall()
+        con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [info.name]).fetchall()
+        con.execute(f'CREATE TABLE "{info.name}" AS {select_sql}').fetchall()
+        con.execute(
+            f"INSERT INTO {CATALOG_TABLE} VALUES (?, ?, ?, ?)",
+            [info.name, info.dtype.name, list(info.shape), list(info.tile)],
+        ).fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise
+
+
+def drop_tensor(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    lookup(con, name)
+    con.execute("BEGIN TRANSACTION").fetchall()
+    try:
+        con.execute(f'DROP TABLE IF EXISTS "{name}"').fetchall()
+        con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [name]).fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise

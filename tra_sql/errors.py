@@ -1,0 +1,36 @@
+"""The tra_sql error hierarchy: every failure a user can cause is a ``TraError``."""
+
+
+class TraError(Exception):
+    """Base class of every error tra_sql raises on bad input or a failed statement."""
+
+
+class SpecError(TraError, ValueError):
+    """A malformed einsum spec, join expression or option."""
+
+
+class ShapeError(TraError, ValueError):
+    """Operand count, rank, index size or tile shape that does not fit."""
+
+
+class DTypeError(TraError, TypeError):
+    """A dtype tra_sql cannot store or compute with."""
+
+
+class UnknownTensorError(TraError, LookupError):
+    """A tensor name that is not in the catalog."""
+
+    def __str__(self) -> str:  # LookupError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorExistsError(TraError):
+    """A tensor or table of that name exists already."""
+
+
+class CorruptTileError(TraError):
+    """A stored tile whose bytes disagree with the catalog's shape and dtype."""
+
+
+class ExecutionError(TraError):
+    """The engine rejected or failed a generated or user statement."""

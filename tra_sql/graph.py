@@ -1,0 +1,160 @@
+"""The lazy DAG of tensor operations: stored sources, einsum steps and re-tilings.
+
+Every node knows its shape, dtype and tile shape; building a node checks its inputs, so
+errors surface when the program is written, not when it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+import numpy as np
+import opt_einsum
+
+from tra_sql.einsum import AGGREGATES, EinsumSpec, index_sizes, parse_spec
+from tra_sql.errors import DTypeError, SpecError
+
+
+@dataclass(eq=False)
+class Node:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tile: tuple[int, ...]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(ceil(n / t) for n, t in zip(self.shape, self.tile))
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return ()
+
+    @property
+    def label(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(eq=False)
+class Source(Node):
+    """A tensor relation stored in table ``table``."""
+
+    table: str
+
+    @property
+    def label(self) -> str:
+        return self.table
+
+
+@dataclass(eq=False)
+class Retile(Node):
+    """``source`` cut into tiles of shape ``tile`` (TRA Tile/Concat)."""
+
+    source: Node
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return (self.source,)
+
+    @property
+    def label(self) -> str:
+        return f"retile {self.source.tile} -> {self.tile}"
+
+
+@dataclass(eq=False)
+class Einsum(Node):
+    """``out[o] = agg over the other indices of join(x0[...], ..., xn[...])``."""
+
+    spec: EinsumSpec
+    operands: tuple[Node, ...]
+    join: str | None
+    agg: str
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return self.operands
+
+    @property
+    def label(self) -> str:
+        extra = (f" join={self.join!r}" if self.join else "") + (f" agg={self.agg}" if self.agg != "sum" else "")
+        return f"einsum {self.spec}{extra}"
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {c: n for sub, op in zip(self.spec.inputs, self.operands) for c, n in zip(sub, op.shape)}
+
+    @property
+    def tiles(self) -> dict[str, int]:
+        return {c: t for sub, op in zip(self.spec.inputs, self.operands) for c, t in zip(sub, op.tile)}
+
+
+def retile(node: Node, tile: tuple[int, ...]) -> Node:
+    """``node`` with tile shape ``tile`` (``node`` itself if it already has it)."""
+    tile = tuple(min(t, n) for t, n in zip(tile, node.shape))
+    return node if tile == node.tile else Retile(node.shape, node.dtype, tile, node)
+
+
+def result_dtype(operands: list[Node], join: str | None) -> np.dtype:
+    dtype = np.result_type(*(op.dtype for op in operands)) if operands else np.dtype("float64")
+    if join is not None and not np.issubdtype(dtype, np.floating):
+        return np.dtype("float64")
+    return dtype
+
+
+def einsum(spec: str, operands: list[Node], names: list[str], join: str | None = None,
+           agg: str = "sum") -> Node:
+    """The node computing ``spec`` over ``operands`` (``names`` are for error messages).
+
+    Each index takes the tile size it has in the first operand that uses it; operands tiled
+    otherwise are re-tiled. Three or more operands with the default join and ``sum`` follow
+    opt_einsum's contraction path as pairwise steps.
+    """
+    if agg not in AGGREGATES:
+        raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
+    if join is not None and not isinstance(join, str):
+        raise SpecError(f"join must be a SQL expression string, got {type(join).__name__}")
+    parsed = parse_spec(spec, len(operands))
+    sizes = index_sizes(parsed, [op.shape for op in operands], names)
+    for op, name in zip(operands, names):
+        if op.dtype.name not in ("float32", "float64", "int32", "int64"):
+            raise DTypeError(f"operand '{name}' has unsupported dtype {op.dtype}")
+    tiles: dict[str, int] = {}
+    for sub, op in zip(parsed.inputs, operands):
+        for c, t in zip(sub, op.tile):
+            tiles.setdefault(c, t)
+    aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]
+    dtype = result_dtype(operands, join)
+    if len(aligned) <= 2 or join is not None or agg != "sum":
+        return _step(parsed, aligned, sizes, tiles, dtype, join, agg)
+    _, info = opt_einsum.contract_path(
+        str(parsed), *[op.shape for op in aligned], shapes=True, optimize="auto"
+    )
+    pending = list(aligned)
+    for positions, _, step_spec, _, _ in info.contraction_list:
+        chosen = [pending.pop(p) for p in sorted(positions, reverse=True)]
+        step = parse_spec(step_spec, len(chosen))
+        pending.append(_step(step, chosen, sizes, tiles, dtype, None, "sum"))
+    return pending[0]
+
+
+def _step(spec: EinsumSpec, operands: list[Node], sizes, tiles, dtype, join, agg) -> Einsum:
+    shape = tuple(sizes[c] for c in spec.output)
+    tile = tuple(tiles[c] for c in spec.output)
+    return Einsum(shape, dtype, tile, spec, tuple(operands), join, agg)
+
+
+def topological(root: Node) -> list[Node]:
+    """Every node the root depends on, each once, inputs before their consumers."""
+    order: list[Node] = []
+    seen: set[int] = set()
+
+    def visit(node: Node) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for child in node.inputs:
+            visit(child)
+        order.append(node)
+
+    visit(root)
+    return order

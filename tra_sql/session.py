@@ -1,0 +1,165 @@
+"""``connect()`` and ``Session``: a DuckDB connection with the tra_sql catalog and UDFs."""
+
+from __future__ import annotations
+
+import re
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from tra_sql import catalog, errors, graph
+from tra_sql.catalog import TensorInfo
+from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
+from tra_sql.sqlgen import Program
+from tra_sql.tensor import Tensor
+from tra_sql.udfs import register_kernels
+
+UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+): (.*)", re.S)
+
+
+def connect(database: str = ":memory:", *, threads: int | None = None,
+            memory_limit: str | None = None, read_only: bool = False) -> Session:
+    """Open (or create) a tra_sql database; ``:memory:`` by default."""
+    config = {}
+    if threads is not None:
+        config["threads"] = threads
+    if memory_limit is not None:
+        config["memory_limit"] = memory_limit
+    try:
+        con = duckdb.connect(database, read_only=read_only, config=config)
+    except duckdb.Error as err:
+        raise ExecutionError(f"cannot open database {database!r}: {err}") from None
+    return Session(con, read_only=read_only)
+
+
+def translate(err: duckdb.Error, what: str) -> TraError:
+    """A ``TraError`` for an engine error; errors raised in tile UDFs keep their class."""
+    match = UDF_ERROR.search(str(err))
+    if match and isinstance(getattr(errors, match.group(1), None), type):
+        cls = getattr(errors, match.group(1))
+        if issubclass(cls, TraError):
+            return cls(match.group(2).strip())
+    return ExecutionError(f"{what} failed: {err}")
+
+
+class Session:
+    """A DuckDB connection holding tensor relations. Use ``connect()`` to make one."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, read_only: bool = False):
+        self.con = con
+        self._udfs: set[str] = set()
+        if not read_only:
+            catalog.ensure_catalog(con)
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- tensors in and out -------------------------------------------------------------
+    def from_numpy(self, name: str, array, tile=None, *, replace: bool = False) -> Tensor:
+        """Store ``array`` as tensor relation ``name`` cut into tiles of shape ``tile``."""
+        catalog.check_name(name)
+        array = np.asarray(array)
+        dtype = catalog.check_dtype(array.dtype)
+        tile = catalog.check_tile(array.shape, tile, name)
+        self.con.register("_tra_import", catalog.tile_table(np.ascontiguousarray(array), tile))
+        try:
+            keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(array.ndim))
+            select = f"SELECT {keys}{', ' if keys else ''}tile FROM _tra_import"
+            catalog.create_tensor_table(self.con, TensorInfo(name, dtype, array.shape, tile), select, replace)
+        finally:
+            self.con.unregister("_tra_import")
+        return self.tensor(name)
+
+    def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
+        """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
+        every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
+        info = TensorInfo(catalog.check_name(name), catalog.check_dtype(dtype), tuple(shape),
+                          catalog.check_tile(tuple(shape), tile, name))
+        expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
+        if tiles.column_names != expected:
+            raise errors.ShapeError(f"tile table for '{name}' must have columns {expected}, "
+                                    f"got {tiles.column_names}")
+        catalog.assemble(info, tiles)
+        self.con.register("_tra_import", tiles)
+        try:
+            keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(len(info.shape)))
+            select = f"SELECT {keys}{', ' if keys else ''}tile::BLOB AS tile FROM _tra_import"
+            catalog.create_tensor_table(self.con, info, select, replace)
+        finally:
+            self.con.unregister("_tra_import")
+        return self.tensor(name)
+
+    def tensor(self, name: str) -> Tensor:
+        """The stored tensor relation ``name``."""
+        info = catalog.lookup(self.con, name)
+        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name))
+
+    def tensors(self) -> list[str]:
+        """Names of all stored tensors."""
+        return catalog.list_tensors(self.con)
+
+    def drop(self, name: str) -> None:
+        """Drop tensor relation ``name`` and its catalog row."""
+        catalog.drop_tensor(self.con, name)
+
+    # -- building programs --------------------------------------------------------------
+    def _node(self, operand) -> tuple[graph.Node, str]:
+        if isinstance(operand, Tensor):
+            if operand.session is not self:
+                raise TraError("operand belongs to another session")
+            return operand.node, operand.name or operand.node.label
+        if isinstance(operand, str):
+            tensor = self.tensor(operand)
+            return tensor.node, operand
+        raise UnknownTensorError(f"operand {operand!r} is neither a Tensor nor a tensor name")
+
+    def einsum(self, spec: str, *operands, join: str | None = None, agg: str = "sum") -> Tensor:
+        """Lazy extended einsum: ``out[o] = agg over the rest of join(x0, ..., xn)``.
+
+        ``operands`` are Tensors or names of stored tensors. ``join`` is a SQL scalar
+        expression over ``x0..xn`` (default: their product); ``agg`` is sum, max, min or prod.
+        """
+        nodes, names = zip(*(self._node(op) for op in operands)) if operands else ((), ())
+        if join is not None:
+            from tra_sql.udfs.expr import join_code
+            join_code(join, len(nodes))
+        return Tensor(self, graph.einsum(spec, list(nodes), list(names), join, agg))
+
+    def retile(self, tensor, tile) -> Tensor:
+        node, name = self._node(tensor)
+        return Tensor(self, graph.retile(node, catalog.check_tile(node.shape, tile, name)))
+
+    # -- running ------------------------------------------------------------------------
+    def _prepare(self, program: Program) -> None:
+        missing = program.udfs - self._udfs
+        register_kernels(self.con, sorted(missing))
+        self._udfs |= missing
+
+    def run(self, program: Program) -> pa.Table:
+        """Execute a program; its tile relation as an Arrow table."""
+        self._prepare(program)
+        try:
+            return self.con.sql(program.sql(pretty=False)).to_arrow_table()
+        except duckdb.Error as err:
+            raise translate(err, f"computing {program.root.label}") from None
+
+    def fetch_numpy(self, tensor: Tensor) -> np.ndarray:
+        info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile)
+        return catalog.assemble(info, self.run(tensor.program()))
+
+    def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
+        program = tensor.program()
+        self._prepare(program)
+        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+        try:
+            catalog.create_tensor_table(self.con, info, program.sql(pretty=False), replace)
+        except duckdb.Error as err:
+            raise translate(err, f"storing '{name}'") from None
+        return self.tensor(name)

@@ -1,0 +1,80 @@
+"""``Tensor``: a node of the lazy DAG, bound to the session that runs it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from tra_sql.graph import Node, Source, topological
+from tra_sql.sqlgen import Program
+
+if TYPE_CHECKING:
+    from tra_sql.session import Session
+
+
+class Tensor:
+    """A tensor relation, stored or still to be computed. Nothing runs until ``numpy()``,
+    ``arrow()`` or ``store()``."""
+
+    def __init__(self, session: Session, node: Node):
+        self.session = session
+        self.node = node
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.node.dtype
+
+    @property
+    def tile(self) -> tuple[int, ...]:
+        return self.node.tile
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    @property
+    def name(self) -> str | None:
+        """The table holding this tensor, if it is stored."""
+        return self.node.table if isinstance(self.node, Source) else None
+
+    def program(self) -> Program:
+        return Program.compile(self.node)
+
+    def sql(self, dialect: str = "duckdb") -> str:
+        """The SQL that computes this tensor's tile relation (columns ``k0..``, ``tile``)."""
+        return self.program().sql(dialect)
+
+    def arrow(self) -> pa.Table:
+        """Run the program; the tile relation as an Arrow table."""
+        return self.session.run(self.program())
+
+    def numpy(self) -> np.ndarray:
+        """Run the program in the engine and assemble the tiles into an ndarray."""
+        return self.session.fetch_numpy(self)
+
+    def store(self, name: str, replace: bool = False) -> Tensor:
+        """Materialize as tensor relation ``name`` (table + catalog row); all or nothing."""
+        return self.session.store(self, name, replace=replace)
+
+    def retile(self, tile) -> Tensor:
+        """The same tensor cut into tiles of shape ``tile`` (done in SQL)."""
+        return self.session.retile(self, tile)
+
+    def explain(self) -> str:
+        """The program: one line per step with shape, tile shape and dtype, then its SQL."""
+        program = self.program()
+        lines = []
+        for node in topological(self.node):
+            lines.append(f"{program.refs[id(node)]:>10} = {node.label}  shape={node.shape} "
+                         f"tile={node.tile} dtype={node.dtype}")
+        return "\n".join(lines) + "\n\n" + program.sql()
+
+    def __repr__(self) -> str:
+        what = f"'{self.name}'" if self.name else self.node.label
+        return f"<Tensor {what} shape={self.shape} tile={self.tile} dtype={self.dtype}>"

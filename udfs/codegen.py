@@ -1,0 +1,95 @@
+"""Numba loop kernels generated from an einsum over tiles.
+
+For ``out[o] ⊕= join(x0[...], ..., xn[...])`` the generator writes a loop nest (output indices
+outside, aggregated indices inside, a scalar accumulator) into a small Python module in the
+kernel cache directory and compiles it with ``numba.njit(nogil=True, cache=True)``: the
+module file gives Numba a stable place to cache machine code, so a new process skips the JIT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+
+AGG_UPDATE = {
+    "sum": "acc = acc + v",
+    "prod": "acc = acc * v",
+    "max": "acc = max(acc, v)",
+    "min": "acc = min(acc, v)",
+}
+
+
+def cache_dir() -> Path:
+    """Where generated kernel modules (and Numba's cache beside them) live."""
+    root = os.environ.get("TRA_SQL_CACHE_DIR") or Path.home() / ".cache" / "tra_sql"
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], str]:
+    """Rename indices in order of first appearance, so equivalent specs share one kernel."""
+    names: dict[str, str] = {}
+    for ch in "".join(inputs) + output:
+        names.setdefault(ch, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(names)])
+    return tuple("".join(names[c] for c in s) for s in inputs), "".join(names[c] for c in output)
+
+
+def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str) -> str:
+    """Python source of the loop kernel ``kernel(out, X0, ..., Xn)``; ``out`` holds the
+    running aggregate (the caller initializes it), ``join_code`` is a scalar expression
+    over ``x0..xn``."""
+    arrays = [f"X{m}" for m in range(len(inputs))]
+    size_of: dict[str, str] = {}
+    for m, sub in enumerate(inputs):
+        for d, ch in enumerate(sub):
+            size_of.setdefault(ch, f"{arrays[m]}.shape[{d}]")
+    summed = [ch for ch in size_of if ch not in output]
+    var = {ch: f"i_{ch}" for ch in size_of}
+    lines = [
+        "import math",
+        "import numba",
+        "import numpy as np",
+        "",
+        "",
+        "@numba.njit(nogil=True, cache=True)",
+        f"def kernel(out, {', '.join(arrays)}):",
+    ]
+    lines += [f"    n_{ch} = {size}" for ch, size in size_of.items()]
+    indent = "    "
+    for ch in output:
+        lines.append(f"{indent}for {var[ch]} in range(n_{ch}):")
+        indent += "    "
+    out_ref = f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
+    lines.append(f"{indent}acc = {out_ref}")
+    inner = indent
+    for ch in summed:
+        lines.append(f"{inner}for {var[ch]} in range(n_{ch}):")
+        inner += "    "
+    for m, sub in enumerate(inputs):
+        ref = f"{arrays[m]}[{', '.join(var[c] for c in sub)}]" if sub else f"{arrays[m]}[()]"
+        lines.append(f"{inner}x{m} = {ref}")
+    lines.append(f"{inner}v = {join_code}")
+    lines.append(f"{inner}{AGG_UPDATE[agg]}")
+    lines.append(f"{indent}{out_ref} = acc")
+    return "\n".join(lines) + "\n"
+
+
+@lru_cache(maxsize=None)
+def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str):
+    """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation."""
+    source = kernel_source(inputs, output, join_code, agg)
+    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    module_name = f"tra_kernel_{digest}"
+    path = cache_dir() / f"{module_name}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel

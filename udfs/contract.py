@@ -1,0 +1,89 @@
+"""One einsum step on tiles: BLAS for sums of products, Numba loop kernels for the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from math import prod
+
+import numpy as np
+
+from tra_sql.udfs.codegen import canonical, loop_kernel
+
+
+def identity(agg: str, dtype: np.dtype):
+    """The value an aggregate starts from."""
+    if agg == "sum":
+        return 0
+    if agg == "prod":
+        return 1
+    if np.issubdtype(dtype, np.floating):
+        return -np.inf if agg == "max" else np.inf
+    info = np.iinfo(dtype)
+    return info.min if agg == "max" else info.max
+
+
+@dataclass(frozen=True)
+class TileEinsum:
+    """``out[o] = agg over the other indices of join(x0[...], ..., xn[...])`` on one tile set.
+
+    ``join_code`` is a Numba-compilable scalar expression over ``x0..xn``; ``None`` means the
+    product, which (with ``agg='sum'`` on two operands) is routed to BLAS via ``np.matmul``.
+    """
+
+    inputs: tuple[str, ...]
+    output: str
+    join_code: str | None = None
+    agg: str = "sum"
+
+    @cached_property
+    def _matmul_layout(self):
+        """(batch, left, contracted, right) index groups if this is a BLAS contraction."""
+        if self.join_code is not None or self.agg != "sum" or len(self.inputs) != 2:
+            return None
+        a, b = self.inputs
+        if len(set(a)) != len(a) or len(set(b)) != len(b):
+            return None
+        if any(c not in b and c not in self.output for c in a):
+            return None
+        if any(c not in a and c not in self.output for c in b):
+            return None
+        batch = [c for c in a if c in b and c in self.output]
+        contracted = [c for c in a if c in b and c not in self.output]
+        left = [c for c in a if c not in b]
+        right = [c for c in b if c not in a]
+        return batch, left, contracted, right
+
+    @cached_property
+    def _loop(self):
+        code = self.join_code or " * ".join(f"x{m}" for m in range(len(self.inputs)))
+        inputs, output = canonical(self.inputs, self.output)
+        return loop_kernel(inputs, output, code, self.agg)
+
+    def init(self, out: np.ndarray) -> None:
+        """Set ``out`` to the aggregate's identity."""
+        out[...] = identity(self.agg, out.dtype)
+
+    def accumulate(self, out: np.ndarray, tiles: list[np.ndarray], scratch: bool = True) -> None:
+        """Aggregate this tile set into ``out``; ``scratch=False`` means ``out`` holds only
+        the identity, so a BLAS product may be written straight into it."""
+        layout = self._matmul_layout
+        if layout is None:
+            self._loop(out, *tiles)
+            return
+        a, b = tiles
+        batch, left, contracted, right = layout
+        sa, sb = self.inputs
+        size = {c: a.shape[sa.index(c)] for c in sa} | {c: b.shape[sb.index(c)] for c in sb}
+        a3 = a.transpose([sa.index(c) for c in batch + left + contracted]).reshape(
+            prod(size[c] for c in batch), prod(size[c] for c in left), prod(size[c] for c in contracted)
+        )
+        b3 = b.transpose([sb.index(c) for c in batch + contracted + right]).reshape(
+            a3.shape[0], a3.shape[2], prod(size[c] for c in right)
+        )
+        natural = batch + left + right
+        if natural == list(self.output) and not scratch and out.flags.c_contiguous:
+            np.matmul(a3, b3, out=out.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
+            return
+        product = np.matmul(a3, b3).reshape([size[c] for c in natural])
+        out += product.transpose([natural.index(c) for c in self.output])

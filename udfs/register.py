@@ -1,0 +1,218 @@
+"""The tile UDFs and their registration on a DuckDB connection.
+
+Every UDF takes a constant JSON ``meta`` argument that describes the step (index strings,
+full sizes and tile sizes per index, dtypes, operand names), so one registered function
+serves every einsum of its arity:
+
+- ``tra_einsum_<n>(meta, out_keys, keys_0, tile_0, ..., keys_n-1, tile_n-1)``: one output
+  tile per joined row;
+- ``tra_einsum_agg_<n>(meta, out_keys, list(keys_0), list(tile_0), ...)``: one output tile
+  per group, aggregating the group's joined rows inside the kernel (fused join+aggregate);
+- ``tra_retile(meta, out_keys, list(keys), list(tile))``: one tile of a new tiling, cut from
+  the source tiles that overlap it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import duckdb
+import numpy as np
+from duckdb.sqltypes import BIGINT, BLOB, VARCHAR
+
+from tra_sql.errors import CorruptTileError
+from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
+from tra_sql.udfs.contract import TileEinsum
+from tra_sql.udfs.expr import join_code
+
+
+def tile_shapes(keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.ndarray:
+    """Per-row tile shapes (ragged at the boundary) for an (n, rank) key matrix."""
+    return np.minimum(tiles, sizes - keys * tiles)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How to read one operand's tiles: its name, dtype, full sizes and tile sizes."""
+
+    name: str
+    dtype: np.dtype
+    sizes: np.ndarray
+    tiles: np.ndarray
+
+    def views(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> list[np.ndarray]:
+        """NumPy views of the tiles at ``rows``, checked against the catalog's geometry."""
+        shapes = tile_shapes(keys, self.sizes, self.tiles)
+        out = []
+        for row, key, shape in zip(rows, keys, shapes):
+            expected = int(np.prod(shape)) * self.dtype.itemsize
+            start, stop = offsets[row], offsets[row + 1]
+            if not valid[row] or stop - start != expected:
+                held = "is NULL" if not valid[row] else f"holds {stop - start} bytes"
+                raise CorruptTileError(
+                    f"tile {tuple(int(k) for k in key)} of tensor '{self.name}' {held}; its "
+                    f"shape {tuple(int(s) for s in shape)} and dtype {self.dtype} need {expected}"
+                )
+            out.append(data[start:stop].view(self.dtype).reshape(shape))
+        return out
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """The parsed ``meta`` argument of an einsum UDF."""
+
+    inputs: tuple[str, ...]
+    output: str
+    sizes: dict[str, int]
+    tiles: dict[str, int]
+    dtypes: tuple[str, ...]
+    out_dtype: str
+    names: tuple[str, ...]
+    join: str | None
+    agg: str
+
+    @staticmethod
+    @lru_cache(maxsize=256)
+    def parse(text: str) -> "StepMeta":
+        m = json.loads(text)
+        return StepMeta(
+            tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
+            m["out_dtype"], tuple(m["names"]), m.get("join"), m.get("agg", "sum"),
+        )
+
+    @cached_property
+    def operands(self) -> list[Operand]:
+        return [
+            Operand(name, np.dtype(dt), self._vec(self.sizes, sub), self._vec(self.tiles, sub))
+            for name, dt, sub in zip(self.names, self.dtypes, self.inputs)
+        ]
+
+    @cached_property
+    def result(self) -> Operand:
+        return Operand("result", np.dtype(self.out_dtype), self._vec(self.sizes, self.output),
+                       self._vec(self.tiles, self.output))
+
+    @cached_property
+    def kernel(self) -> TileEinsum:
+        code = join_code(self.join, len(self.inputs)) if self.join else None
+        return TileEinsum(self.inputs, self.output, code, self.agg)
+
+    @staticmethod
+    def _vec(table: dict[str, int], sub: str) -> np.ndarray:
+        return np.array([table[c] for c in sub], dtype=np.int64)
+
+
+def _allocate(result: Operand, out_keys: np.ndarray):
+    """A byte buffer for one output tile per row, with offsets and per-row shapes."""
+    shapes = tile_shapes(out_keys, result.sizes, result.tiles)
+    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * result.dtype.itemsize
+    offsets = np.zeros(len(out_keys) + 1, dtype=np.int64)
+    np.cumsum(nbytes, out=offsets[1:])
+    return np.empty(int(offsets[-1]), dtype=np.uint8), offsets, shapes
+
+
+def _out_view(buf, offsets, row, shape, dtype) -> np.ndarray:
+    return buf[offsets[row] : offsets[row + 1]].view(dtype).reshape(shape)
+
+
+def einsum_rows(meta_col, out_keys_col, *operand_cols):
+    """``tra_einsum_<n>``: one output tile per joined row."""
+    meta = StepMeta.parse(first_string(meta_col))
+    out_keys = key_matrix(out_keys_col, len(meta.output))
+    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    rows = np.arange(len(out_keys))
+    tiles = [
+        op.views(*binary_views(operand_cols[2 * m + 1]), rows, key_matrix(operand_cols[2 * m], len(sub)))
+        for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs))
+    ]
+    kernel = meta.kernel
+    for row in rows:
+        out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+        kernel.init(out)
+        kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+    return binary_array(buf, offsets)
+
+
+def einsum_groups(meta_col, out_keys_col, *operand_cols):
+    """``tra_einsum_agg_<n>``: one output tile per group of joined rows."""
+    meta = StepMeta.parse(first_string(meta_col))
+    out_keys = key_matrix(out_keys_col, len(meta.output))
+    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    group_offsets = None
+    tiles = []
+    for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs)):
+        starts, flat_keys = list_views(operand_cols[2 * m])
+        _, flat_tiles = list_views(operand_cols[2 * m + 1])
+        group_offsets = starts if group_offsets is None else group_offsets
+        keys = key_matrix(flat_keys, len(sub))
+        tiles.append(op.views(*binary_views(flat_tiles), np.arange(len(keys)), keys))
+    kernel = meta.kernel
+    for row in range(len(out_keys)):
+        out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+        kernel.init(out)
+        for n, element in enumerate(range(group_offsets[row], group_offsets[row + 1])):
+            kernel.accumulate(out, [t[element] for t in tiles], scratch=n > 0)
+    return binary_array(buf, offsets)
+
+
+def retile(meta_col, out_keys_col, keys_col, tiles_col):
+    """``tra_retile``: assemble tiles of a new tiling from the overlapping source tiles."""
+    m = json.loads(first_string(meta_col))
+    source = Operand(m["name"], np.dtype(m["dtype"]), np.array(m["shape"]), np.array(m["from"]))
+    target = Operand(m["name"], source.dtype, source.sizes, np.array(m["to"]))
+    rank = len(source.sizes)
+    out_keys = key_matrix(out_keys_col, rank)
+    buf, offsets, shapes = _allocate(target, out_keys)
+    starts, flat_keys = list_views(keys_col)
+    _, flat_tiles = list_views(tiles_col)
+    keys = key_matrix(flat_keys, rank)
+    pieces = source.views(*binary_views(flat_tiles), np.arange(len(keys)), keys)
+    for row in range(len(out_keys)):
+        out = _out_view(buf, offsets, row, shapes[row], target.dtype)
+        out[...] = 0
+        origin = out_keys[row] * target.tiles
+        for element in range(starts[row], starts[row + 1]):
+            piece = pieces[element]
+            at = keys[element] * source.tiles
+            lo = np.maximum(origin, at)
+            hi = np.minimum(origin + shapes[row], at + piece.shape)
+            out[tuple(slice(a, b) for a, b in zip(lo - origin, hi - origin))] = piece[
+                tuple(slice(a, b) for a, b in zip(lo - at, hi - at))
+            ]
+    return binary_array(buf, offsets)
+
+
+def _signature(name: str):
+    """(Python function, parameter types) of a tile UDF name."""
+    keys = duckdb.list_type(BIGINT)
+    if name == "tra_retile":
+        return retile, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(BLOB)]
+    match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)", name)
+    if not match:
+        raise ValueError(f"no tile UDF is named {name!r}")
+    arity = int(match.group(2))
+    if match.group(1):
+        return einsum_groups, [VARCHAR, keys] + [duckdb.list_type(keys), duckdb.list_type(BLOB)] * arity
+    return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity
+
+
+def _with_arity(function, arity: int):
+    """``function`` behind a wrapper with exactly ``arity`` named parameters, since DuckDB
+    counts a UDF's parameters and does not accept ``*args``."""
+    params = ", ".join(f"a{i}" for i in range(arity))
+    scope = {"function": function}
+    exec(f"def udf({params}):\n    return function({params})\n", scope)
+    return scope["udf"]
+
+
+def register_kernels(con: duckdb.DuckDBPyConnection, names) -> None:
+    """Register the named tile UDFs (see the module docstring) on ``con``."""
+    for name in names:
+        function, params = _signature(name)
+        con.create_function(
+            name, _with_arity(function, len(params)), params, BLOB, type="arrow",
+            null_handling="special", exception_handling="default",
+        )
