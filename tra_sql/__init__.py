@@ -5,8 +5,14 @@ into SQL that joins tiles, runs Numba/BLAS tile kernels as UDFs and aggregates w
 """
 
 from tra_sql.errors import (
-    CorruptTileError, DTypeError, ExecutionError, ShapeError, SpecError, TensorExistsError,
-    TraError, UnknownTensorError,
+    CorruptTileError,
+    DTypeError,
+    ExecutionError,
+    ShapeError,
+    SpecError,
+    TensorExistsError,
+    TraError,
+    UnknownTensorError,
 )
 from tra_sql.session import Session, connect
 from tra_sql.tensor import Tensor

@@ -13,7 +13,12 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql.errors import (
-    CorruptTileError, DTypeError, ShapeError, SpecError, TensorExistsError, UnknownTensorError,
+    CorruptTileError,
+    DTypeError,
+    ShapeError,
+    SpecError,
+    TensorExistsError,
+    UnknownTensorError,
 )
 
 CATALOG_TABLE = "tra_tensors"

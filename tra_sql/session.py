@@ -68,7 +68,7 @@ class Session:
         array = np.asarray(array)
         dtype = catalog.check_dtype(array.dtype)
         tile = catalog.check_tile(array.shape, tile, name)
-        self.con.register("_tra_import", catalog.tile_table(np.ascontiguousarray(array), tile))
+        self.con.register("_tra_import", catalog.tile_table(array, tile))
         try:
             keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(array.ndim))
             select = f"SELECT {keys}{', ' if keys else ''}tile FROM _tra_import"

@@ -3,7 +3,8 @@
 - an ``Einsum`` joins its operands on the keys of shared indices (an index repeated inside
   one operand filters that operand's keys), calls a tile UDF per joined row, and, when an
   aggregated index is split over several tiles, groups by the output keys and hands the
-  kernel each group's tile lists (a fused join + aggregate);
+  kernel each group's joined rows as one list of structs (a fused join + aggregate; one
+  list keeps the operands' tiles aligned without sorting);
 - a ``Retile`` joins each source tile to the target tiles it overlaps and assembles them;
 - a program is a ``WITH ... AS MATERIALIZED`` chain, one CTE per node, shared nodes once.
 
@@ -30,10 +31,12 @@ def _array(items: list[exp.Expression]) -> exp.Expression:
     return exp.Array(expressions=items) if items else exp.cast(exp.Array(expressions=[]), KEY_TYPE)
 
 
-def _list_agg(value: exp.Expression, order: list[exp.Expression]) -> exp.Expression:
-    if order:
-        value = exp.Order(this=value, expressions=[exp.Ordered(this=o.copy()) for o in order])
-    return exp.ArrayAgg(this=value)
+def _field(name: str, value: exp.Expression) -> exp.PropertyEQ:
+    return exp.PropertyEQ(this=exp.to_identifier(name), expression=value)
+
+
+def _list_of_structs(fields: list[exp.PropertyEQ]) -> exp.Expression:
+    return exp.ArrayAgg(this=exp.Struct(expressions=fields))
 
 
 def _table(name: str, alias: str) -> exp.Table:
@@ -76,10 +79,14 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.
         "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
     })
     args: list[exp.Expression] = [meta, _array([k.copy() for k in out_keys])]
-    for sub, alias in zip(spec.inputs, aliases):
+    fields: list[exp.Expression] = []
+    for m, (sub, alias) in enumerate(zip(spec.inputs, aliases)):
         keys = _array([exp.column(key(d), alias) for d in range(len(sub))])
-        tile = exp.column("tile", alias)
-        args += [_list_agg(keys, split), _list_agg(tile, split)] if split else [keys, tile]
+        fields += [_field(f"keys{m}", keys), _field(f"tile{m}", exp.column("tile", alias))]
+    if split:
+        args.append(_list_of_structs(fields))
+    else:
+        args += [f.expression for f in fields]
     udf = f"tra_einsum_{'agg_' if split else ''}{len(refs)}"
     select = exp.select(*_select_keys(out_keys, exp.Anonymous(this=udf, expressions=args)))
     select = select.from_(_table(refs[0], aliases[0]))
@@ -120,10 +127,8 @@ def retile_select(node: Retile, ref: str, name: str) -> exp.Select:
     meta = _meta({"name": name, "dtype": node.dtype.name, "shape": list(node.shape),
                   "from": list(source.tile), "to": list(node.tile)})
     src_keys = [exp.column(key(d), "s") for d in range(rank)]
-    call = exp.Anonymous(this="tra_retile", expressions=[
-        meta, _array([k.copy() for k in out_keys]), _list_agg(_array(src_keys), src_keys),
-        _list_agg(exp.column("tile", "s"), src_keys),
-    ])
+    pieces = _list_of_structs([_field("keys", _array(src_keys)), _field("tile", exp.column("tile", "s"))])
+    call = exp.Anonymous(this="tra_retile", expressions=[meta, _array([k.copy() for k in out_keys]), pieces])
     select = exp.select(*_select_keys(out_keys, call)).from_(_table(ref, "s"))
     for table, on in joins:
         select = select.join(table, on=on)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from functools import lru_cache
+import sys
+from functools import cache
 from pathlib import Path
 
 AGG_UPDATE = {
@@ -78,7 +79,7 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     return "\n".join(lines) + "\n"
 
 
-@lru_cache(maxsize=None)
+@cache
 def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str):
     """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation."""
     source = kernel_source(inputs, output, join_code, agg)
@@ -91,5 +92,6 @@ def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str):
         os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # Numba's cache locator looks the module up by name
     spec.loader.exec_module(module)
     return module.kernel

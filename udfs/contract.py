@@ -7,7 +7,6 @@ from functools import cached_property
 from math import prod
 
 import numpy as np
-
 from tra_sql.udfs.codegen import canonical, loop_kernel
 
 

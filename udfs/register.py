@@ -6,9 +6,10 @@ serves every einsum of its arity:
 
 - ``tra_einsum_<n>(meta, out_keys, keys_0, tile_0, ..., keys_n-1, tile_n-1)``: one output
   tile per joined row;
-- ``tra_einsum_agg_<n>(meta, out_keys, list(keys_0), list(tile_0), ...)``: one output tile
-  per group, aggregating the group's joined rows inside the kernel (fused join+aggregate);
-- ``tra_retile(meta, out_keys, list(keys), list(tile))``: one tile of a new tiling, cut from
+- ``tra_einsum_agg_<n>(meta, out_keys, list({keys0, tile0, ..., keys<n-1>, tile<n-1>}))``:
+  one output tile per group, aggregating the group's joined rows inside the kernel (fused
+  join + aggregate);
+- ``tra_retile(meta, out_keys, list({keys, tile}))``: one tile of a new tiling, cut from
   the source tiles that overlap it.
 """
 
@@ -22,11 +23,11 @@ from functools import cached_property, lru_cache
 import duckdb
 import numpy as np
 from duckdb.sqltypes import BIGINT, BLOB, VARCHAR
-
-from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
+
+from tra_sql.errors import CorruptTileError
 
 
 def tile_shapes(keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.ndarray:
@@ -76,7 +77,7 @@ class StepMeta:
 
     @staticmethod
     @lru_cache(maxsize=256)
-    def parse(text: str) -> "StepMeta":
+    def parse(text: str) -> StepMeta:
         m = json.loads(text)
         return StepMeta(
             tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
@@ -136,19 +137,18 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     return binary_array(buf, offsets)
 
 
-def einsum_groups(meta_col, out_keys_col, *operand_cols):
+def einsum_groups(meta_col, out_keys_col, rows_col):
     """``tra_einsum_agg_<n>``: one output tile per group of joined rows."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
     buf, offsets, shapes = _allocate(meta.result, out_keys)
-    group_offsets = None
-    tiles = []
-    for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs)):
-        starts, flat_keys = list_views(operand_cols[2 * m])
-        _, flat_tiles = list_views(operand_cols[2 * m + 1])
-        group_offsets = starts if group_offsets is None else group_offsets
-        keys = key_matrix(flat_keys, len(sub))
-        tiles.append(op.views(*binary_views(flat_tiles), np.arange(len(keys)), keys))
+    group_offsets, rows = list_views(rows_col)
+    columns = rows.flatten()
+    elements = np.arange(len(rows))
+    tiles = [
+        op.views(*binary_views(columns[2 * m + 1]), elements, key_matrix(columns[2 * m], len(sub)))
+        for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs))
+    ]
     kernel = meta.kernel
     for row in range(len(out_keys)):
         out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
@@ -158,7 +158,7 @@ def einsum_groups(meta_col, out_keys_col, *operand_cols):
     return binary_array(buf, offsets)
 
 
-def retile(meta_col, out_keys_col, keys_col, tiles_col):
+def retile(meta_col, out_keys_col, pieces_col):
     """``tra_retile``: assemble tiles of a new tiling from the overlapping source tiles."""
     m = json.loads(first_string(meta_col))
     source = Operand(m["name"], np.dtype(m["dtype"]), np.array(m["shape"]), np.array(m["from"]))
@@ -166,8 +166,8 @@ def retile(meta_col, out_keys_col, keys_col, tiles_col):
     rank = len(source.sizes)
     out_keys = key_matrix(out_keys_col, rank)
     buf, offsets, shapes = _allocate(target, out_keys)
-    starts, flat_keys = list_views(keys_col)
-    _, flat_tiles = list_views(tiles_col)
+    starts, flat = list_views(pieces_col)
+    flat_keys, flat_tiles = flat.flatten()
     keys = key_matrix(flat_keys, rank)
     pieces = source.views(*binary_views(flat_tiles), np.arange(len(keys)), keys)
     for row in range(len(out_keys)):
@@ -189,13 +189,14 @@ def _signature(name: str):
     """(Python function, parameter types) of a tile UDF name."""
     keys = duckdb.list_type(BIGINT)
     if name == "tra_retile":
-        return retile, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(BLOB)]
+        return retile, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type({"keys": keys, "tile": BLOB}))]
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)", name)
     if not match:
         raise ValueError(f"no tile UDF is named {name!r}")
     arity = int(match.group(2))
     if match.group(1):
-        return einsum_groups, [VARCHAR, keys] + [duckdb.list_type(keys), duckdb.list_type(BLOB)] * arity
+        fields = {f"{what}{m}": typ for m in range(arity) for what, typ in (("keys", keys), ("tile", BLOB))}
+        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))]
     return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity
 
 
@@ -203,7 +204,7 @@ def _with_arity(function, arity: int):
     """``function`` behind a wrapper with exactly ``arity`` named parameters, since DuckDB
     counts a UDF's parameters and does not accept ``*args``."""
     params = ", ".join(f"a{i}" for i in range(arity))
-    scope = {"function": function}
+    scope = {"function": function, "__name__": __name__}
     exec(f"def udf({params}):\n    return function({params})\n", scope)
     return scope["udf"]
 

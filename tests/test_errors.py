@@ -1,0 +1,120 @@
+"""Bad input raises a TraError subclass that names the culprit and leaves nothing behind."""
+
+import numpy as np
+import pytest
+
+import tra_sql
+
+
+@pytest.fixture
+def ab(db):
+    A = db.from_numpy("A", np.ones((4, 3)), tile=(2, 2))
+    B = db.from_numpy("B", np.ones((3, 5)), tile=(2, 2))
+    return A, B
+
+
+@pytest.mark.parametrize("spec", ["ij,jk->i k->", "ij,j1->i", "ij,jk->ii", "ij,jk->iz", "ij,jk>ik",
+                                  "...ij,jk->ik"])
+def test_malformed_spec(db, ab, spec):
+    with pytest.raises(tra_sql.SpecError, match="einsum spec"):
+        db.einsum(spec, *ab)
+
+
+def test_spec_must_be_string(db, ab):
+    with pytest.raises(tra_sql.SpecError):
+        db.einsum(3, *ab)
+
+
+def test_operand_count(db, ab):
+    with pytest.raises(tra_sql.ShapeError, match="names 3 operand.*got 2"):
+        db.einsum("ij,jk,kl->il", *ab)
+
+
+def test_rank_mismatch_names_operand(db, ab):
+    with pytest.raises(tra_sql.ShapeError, match="'B' has rank 2"):
+        db.einsum("ij,j->i", *ab)
+
+
+def test_size_mismatch_names_index(db, ab):
+    with pytest.raises(tra_sql.ShapeError, match="index 'j' has size 3 in 'A' but 5 in 'B'"):
+        db.einsum("ij,kj->ik", *ab)
+
+
+def test_unknown_tensor(db, ab):
+    with pytest.raises(tra_sql.UnknownTensorError, match="'nope'"):
+        db.einsum("ij,jk->ik", "A", "nope")
+    with pytest.raises(tra_sql.UnknownTensorError):
+        db.einsum("ij->i", 42)
+
+
+def test_unsupported_dtype(db):
+    with pytest.raises(tra_sql.DTypeError, match="complex128"):
+        db.from_numpy("Z", np.ones(3, dtype=np.complex128))
+    with pytest.raises(tra_sql.DTypeError):
+        db.from_numpy("S", np.array(["a", "b"]))
+    assert db.tensors() == []
+
+
+def test_bad_names_and_tiles(db):
+    with pytest.raises(tra_sql.SpecError, match="not a valid tensor name"):
+        db.from_numpy("drop table x", np.ones(3))
+    with pytest.raises(tra_sql.ShapeError, match="tile"):
+        db.from_numpy("A", np.ones((3, 3)), tile=(2,))
+    with pytest.raises(tra_sql.ShapeError, match="tile"):
+        db.from_numpy("A", np.ones((3, 3)), tile=(0, 1))
+    with pytest.raises(tra_sql.ShapeError, match="empty"):
+        db.from_numpy("A", np.ones((0, 3)))
+    assert db.tensors() == []
+
+
+def _corrupt(db, table):
+    db.con.execute(f"UPDATE \"{table}\" SET tile = '\\x00\\x01'::BLOB WHERE k0 = 1 AND k1 = 0").fetchall()
+
+
+def test_corrupt_tile_in_kernel(db, ab):
+    _corrupt(db, "A")
+    with pytest.raises(tra_sql.CorruptTileError, match=r"tile \(1, 0\) of tensor 'A' holds 2 bytes"):
+        db.einsum("ij,jk->ik", *ab).numpy()
+
+
+def test_corrupt_tile_on_read(db, ab):
+    _corrupt(db, "A")
+    with pytest.raises(tra_sql.CorruptTileError, match="'A'"):
+        db.tensor("A").numpy()
+    db.con.execute("UPDATE \"B\" SET tile = NULL WHERE k0 = 1 AND k1 = 0").fetchall()
+    with pytest.raises(tra_sql.CorruptTileError, match="NULL"):
+        db.tensor("B").numpy()
+
+
+def test_failed_store_leaves_nothing(db, ab):
+    _corrupt(db, "B")
+    with pytest.raises(tra_sql.CorruptTileError):
+        db.einsum("ij,jk->ik", *ab).store("C")
+    assert db.tensors() == ["A", "B"]
+    assert db.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'C'").fetchall() == [(0,)]
+
+
+def test_failed_replace_keeps_old(db, ab):
+    db.einsum("ij,jk->ik", *ab).store("C")
+    _corrupt(db, "A")
+    with pytest.raises(tra_sql.CorruptTileError):
+        db.einsum("ij,jk->ik", *ab).store("C", replace=True)
+    np.testing.assert_array_equal(db.tensor("C").numpy(), np.full((4, 5), 3.0))
+
+
+def test_store_over_plain_table_refused(db, ab):
+    db.con.execute("CREATE TABLE C (x INTEGER)").fetchall()
+    with pytest.raises(tra_sql.TensorExistsError, match="'C'"):
+        db.einsum("ij,jk->ik", *ab).store("C")
+
+
+def test_all_errors_are_tra_errors():
+    for cls in (tra_sql.SpecError, tra_sql.ShapeError, tra_sql.DTypeError, tra_sql.UnknownTensorError,
+                tra_sql.CorruptTileError, tra_sql.TensorExistsError, tra_sql.ExecutionError):
+        assert issubclass(cls, tra_sql.TraError)
+
+
+def test_operand_from_other_session(ab):
+    with tra_sql.connect() as other:
+        with pytest.raises(tra_sql.TraError, match="another session"):
+            other.einsum("ij->i", ab[0])

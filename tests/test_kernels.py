@@ -1,0 +1,50 @@
+"""Numba kernels: generated once, cached on disk, reused by a new process."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+from tra_sql.udfs.codegen import canonical, kernel_source
+from tra_sql.udfs.contract import TileEinsum
+
+
+def test_canonical_names_share_kernels():
+    assert canonical(("xy", "yz"), "xz") == canonical(("ab", "bc"), "ac") == (("ab", "bc"), "ac")
+
+
+def test_kernel_source_loops_outputs_outside():
+    src = kernel_source(("ab", "bc"), "ac", "x0 * x1", "sum")
+    assert src.index("for i_a") < src.index("for i_c") < src.index("for i_b")
+    assert "nogil=True, cache=True" in src
+
+
+def test_loop_kernel_matches_numpy():
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((3, 3)), rng.standard_normal((3, 4))
+    out = np.zeros(3)
+    TileEinsum(("ii", "ik"), "i").accumulate(out, [a, b])
+    np.testing.assert_allclose(out, np.einsum("ii,ik->i", a, b))
+    out = np.empty(4)
+    kernel = TileEinsum(("ij",), "j", agg="max")
+    kernel.init(out)
+    kernel.accumulate(out, [b])
+    np.testing.assert_array_equal(out, b.max(axis=0))
+
+
+def test_new_process_loads_kernel_from_disk_cache(tmp_path):
+    script = textwrap.dedent("""
+        import numpy as np
+        from tra_sql.udfs.codegen import loop_kernel
+        k = loop_kernel(("ab",), "b", "x0 * 2.0", "max")
+        out = np.full(3, -np.inf)
+        k(out, np.arange(6.0).reshape(2, 3))
+        assert out.tolist() == [6.0, 8.0, 10.0]
+        print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
+    """)
+    env = dict(os.environ, TRA_SQL_CACHE_DIR=str(tmp_path))
+    run = lambda: subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                 text=True, check=True).stdout.split()
+    assert run() == ["0", "1"]
+    assert run() == ["1", "0"]
