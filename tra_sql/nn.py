@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: Activations as SQL templates over ``{x}``; GELU is the tanh approximation.
 ACTIVATIONS: dict[str, str] = {
     "relu": "greatest({x}, 0.0)",
-    "gelu": "0.5 * {x} * (1.0 + tanh(0.7978845608028654 * ({x} + 0.04 * {x} * {x} * {x})))",
+    "gelu": "0.5 * {x} * (1.0 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})))",
     "tanh": "tanh({x})",
     "sigmoid": "sigmoid({x})",
     "silu": "{x} * sigmoid({x})",
@@ -86,9 +86,10 @@ def mlp(db: Session, x: Tensor, layers: Sequence[tuple[Tensor, Tensor | None]],
     return x
 
 
-def _softmax_stats(db: Session, x: Tensor, mask: Tensor | None, scale: float):
-    """Operands, subscripts, logit and masking helpers, the row max and the row sum of
-    ``exp(logit - max)`` of a (masked, scaled) softmax over the last axis."""
+def _softmax(db: Session, x: Tensor, mask: Tensor | None, scale: float, value: str, fill: str) -> Tensor:
+    """Row max (``Az->A``, ``agg='max'``), row sum of ``exp(logit - max)`` (``Az,A->A``), then
+    ``value`` (a template over ``{logit}``, ``{max}``, ``{sum}``) in one ``Az,A,A->Az`` join;
+    positions where ``mask`` (the trailing axes of ``x``) is not > 0 get ``fill``."""
     lead = _lead(x.ndim - 1)
     full = lead + "z"
     ops, subs = [x], [full]
@@ -99,34 +100,28 @@ def _softmax_stats(db: Session, x: Tensor, mask: Tensor | None, scale: float):
         subs.append(full[x.ndim - mask.ndim:])
     logit = "x0" if scale == 1 else f"x0 * {float(scale)!r}"
 
-    def masked(value: str, fill: str) -> str:
-        return value if mask is None else f"CASE WHEN x1 > 0 THEN {value} ELSE {fill} END"
+    def masked(expr: str, otherwise: str) -> str:
+        return expr if mask is None else f"CASE WHEN x1 > 0 THEN {expr} ELSE {otherwise} END"
 
-    n = len(ops)
+    n, inputs = len(ops), ",".join(subs)
     top = masked(logit, MASKED)
-    m = db.einsum(f"{','.join(subs)}->{lead}", *ops, join=None if top == "x0" else top, agg="max")
-    total = db.einsum(f"{','.join(subs)},{lead}->{lead}", *ops, m,
-                      join=masked(f"exp({logit} - x{n})", "0.0"))
-    spec = f"{','.join(subs)},{lead},{lead}->{full}"
-    return spec, ops, m, total, logit, masked, n
+    m = db.einsum(f"{inputs}->{lead}", *ops, join=None if top == "x0" else top, agg="max")
+    total = db.einsum(f"{inputs},{lead}->{lead}", *ops, m, join=masked(f"exp({logit} - x{n})", "0.0"))
+    out = value.format(logit=logit, max=f"x{n}", sum=f"x{n + 1}")
+    return db.einsum(f"{inputs},{lead},{lead}->{full}", *ops, m, total, join=masked(out, fill))
 
 
 def softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
-    """Softmax of ``scale * x`` over the last axis, numerically stable (max subtracted).
-
-    ``mask`` (shaped like the trailing axes of ``x``) keeps positions where it is > 0; the
-    others get probability 0. Three einsums: row max (``agg='max'``), row sum of
-    ``exp(x - max)``, and ``exp(x - max) / sum``.
-    """
-    spec, ops, m, total, logit, masked, n = _softmax_stats(db, x, mask, scale)
-    return db.einsum(spec, *ops, m, total, join=masked(f"exp({logit} - x{n}) / x{n + 1}", "0.0"))
+    """Softmax of ``scale * x`` over the last axis, numerically stable (max subtracted): three
+    einsums, ``exp(x - max) / sum``. ``mask`` (shaped like the trailing axes of ``x``) keeps
+    positions where it is > 0; the others get probability 0."""
+    return _softmax(db, x, mask, scale, "exp({logit} - {max}) / {sum}", "0.0")
 
 
 def log_softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
-    """Log-softmax of ``scale * x`` over the last axis: ``x - max - ln(sum exp(x - max))``;
-    masked positions are ``-inf``."""
-    spec, ops, m, total, logit, masked, n = _softmax_stats(db, x, mask, scale)
-    return db.einsum(spec, *ops, m, total, join=masked(f"{logit} - x{n} - ln(x{n + 1})", NEG_INF))
+    """Log-softmax of ``scale * x`` over the last axis: ``x - max - ln(sum)``; masked
+    positions are ``-inf``."""
+    return _softmax(db, x, mask, scale, "{logit} - {max} - ln({sum})", NEG_INF)
 
 
 def layer_norm(db: Session, x: Tensor, gain: Tensor | None = None, bias: Tensor | None = None,
@@ -203,7 +198,7 @@ def _attend(db: Session, x: Tensor, w: AttentionWeights, kv: Tensor | None, mask
     S = db.einsum(f"{lead}qhk,{lead}shk->{lead}hqs", Q, K)
     if causal:
         cm = causal_mask(db, S.shape[-2], S.shape[-1], dtype=S.dtype, tile=S.tile[-2:])
-        mask = mask if True else db.einsum("qs,qs->qs", mask, cm)
+        mask = cm if mask is None else db.einsum("qs,qs->qs", mask, cm)
     P = softmax(db, S, mask=mask, scale=1 / sqrt(w.Wq.shape[-1]))
     heads = db.einsum(f"{lead}hqs,{lead}shv->{lead}qhv", P, V)
     return db.einsum(f"{lead}qhv,hve->{lead}qe", heads, w.Wo)
