@@ -14,7 +14,7 @@ def ab(db):
 
 
 @pytest.mark.parametrize("spec", ["ij,jk->i k->", "ij,j1->i", "ij,jk->ii", "ij,jk->iz", "ij,jk>ik",
-                                  "...ij,jk->ik"])
+                                  "i...j...,jk->ik", "ij,jk->..."])
 def test_malformed_spec(db, ab, spec):
     with pytest.raises(tra_sql.SpecError, match="einsum spec"):
         db.einsum(spec, *ab)

@@ -12,7 +12,7 @@ from math import ceil
 import numpy as np
 import opt_einsum
 
-from tra_sql.einsum import AGGREGATES, EinsumSpec, index_sizes, parse_spec
+from tra_sql.einsum import AGGREGATES, EinsumSpec, broadcast, parse_spec
 from tra_sql.errors import DTypeError, SpecError
 
 
@@ -113,8 +113,8 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
         raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
     if join is not None and not isinstance(join, str):
         raise SpecError(f"join must be a SQL expression string, got {type(join).__name__}")
-    parsed = parse_spec(spec, len(operands))
-    sizes = index_sizes(parsed, [op.shape for op in operands], names)
+    parsed = parse_spec(spec, len(operands), [len(op.shape) for op in operands])
+    parsed, sizes = broadcast(parsed, [op.shape for op in operands], names)
     for op, name in zip(operands, names):
         if op.dtype.name not in ("float32", "float64", "int32", "int64"):
             raise DTypeError(f"operand '{name}' has unsupported dtype {op.dtype}")

@@ -51,10 +51,12 @@ BINARY = {
 ANONYMOUS = {
     "sigmoid": (1, "(1.0 / (1.0 + math.exp(-{})))"),
     "relu": (1, "max({}, 0.0)"),
+    "erf": (1, "math.erf({})"),
 }
+FLOAT_TYPES = {"DOUBLE", "FLOAT", "REAL"}
 FUNCTION_NAMES = sorted(
     ["exp", "ln", "log", "sqrt", "pow", "power", "abs", "tanh", "sin", "cos", "floor", "ceil",
-     "sign", "round", "greatest", "least", "pi"] + list(ANONYMOUS)
+     "sign", "round", "greatest", "least", "pi", "cast"] + list(ANONYMOUS)
 )
 
 
@@ -118,6 +120,8 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
     if kind is exp.If:
         otherwise = node.args.get("false")
         return f"({go(node.args['true'])} if {go(node.this)} else {go(otherwise) if otherwise else '0.0'})"
+    if kind is exp.Cast:
+        return _cast(node, go, text)
     if kind is exp.Anonymous:
         name = node.name.lower()
         if name not in ANONYMOUS:
@@ -132,6 +136,21 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
         raise SpecError(f"join expression {text!r}: function {node.sql_name()}() is not "
                         f"supported; known: {', '.join(FUNCTION_NAMES)}")
     raise SpecError(f"join expression {text!r}: {node.sql()!r} is not supported")
+
+
+def _cast(node: exp.Cast, go, text: str) -> str:
+    """``CAST(e AS DOUBLE)``, and ``'inf'::DOUBLE`` / ``'-inf'`` / ``'nan'`` constants."""
+    target = node.to.this.name if hasattr(node.to.this, "name") else str(node.to.this)
+    if target not in FLOAT_TYPES:
+        raise SpecError(f"join expression {text!r}: only casts to DOUBLE/FLOAT are supported")
+    inner = node.this
+    if isinstance(inner, exp.Literal) and inner.is_string:
+        try:
+            return f"float({float(inner.this)!r})".replace("float(inf)", "math.inf").replace(
+                "float(-inf)", "(-math.inf)").replace("float(nan)", "math.nan")
+        except ValueError:
+            raise SpecError(f"join expression {text!r}: {inner.sql()} is not a number") from None
+    return f"float({go(inner)})"
 
 
 @lru_cache(maxsize=256)
