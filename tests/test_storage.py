@@ -59,7 +59,7 @@ def test_retile_in_sql(db, rng):
     array = rng.standard_normal((11, 9))
     t = db.from_numpy("A", array, tile=(4, 4))
     moved = t.retile((3, 5))
-    assert "tra_retile" in moved.sql().lower()
+    assert "tra_place" in moved.sql().lower()
     assert moved.tile == (3, 5)
     np.testing.assert_array_equal(moved.numpy(), array)
     np.testing.assert_array_equal(moved.store("B").numpy(), array)

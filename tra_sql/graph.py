@@ -1,4 +1,5 @@
-"""The lazy DAG of tensor operations: stored sources, einsum steps and re-tilings.
+"""The lazy DAG of tensor operations: stored sources, constants, einsum steps, and the
+structural ops (re-tiling, slicing, concatenation, reshaping) as one placement op.
 
 Every node knows its shape, dtype and tile shape; building a node checks its inputs, so
 errors surface when the program is written, not when it runs.
@@ -47,18 +48,43 @@ class Source(Node):
 
 
 @dataclass(eq=False)
-class Retile(Node):
-    """``source`` cut into tiles of shape ``tile`` (TRA Tile/Concat)."""
+class Fill(Node):
+    """A constant tensor, its tiles generated in SQL."""
 
-    source: Node
-
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        return (self.source,)
+    value: float
 
     @property
     def label(self) -> str:
-        return f"retile {self.source.tile} -> {self.tile}"
+        return f"fill {self.value!r}"
+
+
+@dataclass(eq=False)
+class Place(Node):
+    """Tiles of shape ``tile`` cut from ``sources`` placed at element ``offsets`` of the
+    output (TRA Tile / Concat / ReKey / Filter): re-tiling (one source, offset 0), slicing
+    (a negative offset, elements outside the output dropped) and concatenation.
+
+    With ``flat``, placement happens in row-major flat element order instead (reshape): the
+    source's tiles must then span all but its first dimension, and so must the output's.
+    """
+
+    sources: tuple[Node, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    flat: bool = False
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return self.sources
+
+    @property
+    def label(self) -> str:
+        if self.flat:
+            return f"reshape {self.sources[0].shape} -> {self.shape}"
+        if len(self.sources) > 1:
+            return f"concat {len(self.sources)} parts"
+        if self.shape != self.sources[0].shape:
+            return f"slice {self.sources[0].shape} at {tuple(-o for o in self.offsets[0])} -> {self.shape}"
+        return f"retile {self.sources[0].tile} -> {self.tile}"
 
 
 @dataclass(eq=False)
@@ -91,7 +117,39 @@ class Einsum(Node):
 def retile(node: Node, tile: tuple[int, ...]) -> Node:
     """``node`` with tile shape ``tile`` (``node`` itself if it already has it)."""
     tile = tuple(min(t, n) for t, n in zip(tile, node.shape))
-    return node if tile == node.tile else Retile(node.shape, node.dtype, tile, node)
+    return node if tile == node.tile else Place(node.shape, node.dtype, tile, (node,), ((0,) * len(tile),))
+
+
+def slice_(node: Node, starts: tuple[int, ...], stops: tuple[int, ...]) -> Node:
+    """Elements ``starts[d] <= i < stops[d]`` of ``node``, tiled like ``node``."""
+    shape = tuple(b - a for a, b in zip(starts, stops))
+    if shape == node.shape:
+        return node
+    tile = tuple(min(t, n) for t, n in zip(node.tile, shape))
+    return Place(shape, node.dtype, tile, (node,), (tuple(-a for a in starts),))
+
+
+def concat(nodes: list[Node], axis: int) -> Node:
+    """``nodes`` joined along ``axis``, tiled like the first."""
+    offsets, at = [], 0
+    for node in nodes:
+        offsets.append(tuple(at if d == axis else 0 for d in range(len(node.shape))))
+        at += node.shape[axis]
+    shape = tuple(at if d == axis else n for d, n in enumerate(nodes[0].shape))
+    dtype = np.result_type(*(n.dtype for n in nodes))
+    return Place(shape, dtype, nodes[0].tile, tuple(nodes), tuple(offsets))
+
+
+def reshape(node: Node, shape: tuple[int, ...]) -> Node:
+    """``node`` with a new shape of the same size, in row-major order: the source is first
+    re-tiled to full trailing dimensions, so each of its tiles is one contiguous flat range."""
+    if shape == node.shape:
+        return node
+    source = retile(node, node.tile[:1] + node.shape[1:])
+    trailing = int(np.prod(shape[1:], dtype=np.int64))
+    per_tile = int(np.prod(node.tile, dtype=np.int64))
+    tile = (max(1, min(shape[0], per_tile // trailing)),) + tuple(shape[1:]) if shape else ()
+    return Place(tuple(shape), node.dtype, tile, (source,), ((0,),), flat=True)
 
 
 def result_dtype(operands: list[Node], join: str | None) -> np.dtype:

@@ -8,7 +8,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from tra_sql import catalog, errors, graph
+from tra_sql import catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
 from tra_sql.sqlgen import Program
@@ -133,8 +133,36 @@ class Session:
         return Tensor(self, graph.einsum(spec, list(nodes), list(names), join, agg))
 
     def retile(self, tensor, tile) -> Tensor:
+        """``tensor`` cut into tiles of shape ``tile`` (in SQL)."""
         node, name = self._node(tensor)
         return Tensor(self, graph.retile(node, catalog.check_tile(node.shape, tile, name)))
+
+    def concat(self, tensors, axis: int = 0) -> Tensor:
+        """``tensors`` joined along ``axis`` (tiled like the first)."""
+        nodes, names = zip(*(self._node(t) for t in tensors)) if tensors else ((), ())
+        if not nodes:
+            raise errors.ShapeError("concat needs at least one tensor")
+        rank = len(nodes[0].shape)
+        axis = structure.check_axis(axis, rank, names[0])
+        for node, name in zip(nodes, names):
+            if len(node.shape) != rank or any(n != m for d, (n, m) in enumerate(zip(node.shape, nodes[0].shape))
+                                              if d != axis):
+                raise errors.ShapeError(f"concat along axis {axis}: '{name}' has shape {node.shape}, "
+                                        f"'{names[0]}' has {nodes[0].shape}")
+        return Tensor(self, graph.concat(list(nodes), axis))
+
+    def full(self, shape, value: float, dtype="float64", tile=None) -> Tensor:
+        """A constant tensor (lazy: its tiles are generated in SQL)."""
+        shape = tuple(int(n) for n in shape)
+        dtype = catalog.check_dtype(dtype)
+        tile = catalog.check_tile(shape, tile, "full")
+        return Tensor(self, graph.Fill(shape, dtype, tile, float(value) if dtype.kind == "f" else int(value)))
+
+    def zeros(self, shape, dtype="float64", tile=None) -> Tensor:
+        return self.full(shape, 0, dtype, tile)
+
+    def ones(self, shape, dtype="float64", tile=None) -> Tensor:
+        return self.full(shape, 1, dtype, tile)
 
     # -- running ------------------------------------------------------------------------
     def _prepare(self, program: Program) -> None:
@@ -163,3 +191,23 @@ class Session:
         except duckdb.Error as err:
             raise translate(err, f"storing '{name}'") from None
         return self.tensor(name)
+
+    # -- SQL with tensor syntax (see tra_sql.frontend) ----------------------------------
+    def sql(self, text: str, params=None):
+        """Run ``text``: DuckDB SQL plus ``einsum(...)`` and the other tensor table functions,
+        ``CREATE TENSOR`` and ``DROP TENSOR`` (see ``tra_sql.frontend``). Statements run in
+        order; the last one's result is returned as DuckDB's ``con.sql()`` gives it (a
+        relation), or ``None`` for CREATE/DROP TENSOR. ``params`` bind to the last statement."""
+        from tra_sql import frontend
+        return frontend.run(self, text, params)
+
+    def execute(self, text: str, params=None):
+        """Like ``sql()``, but the last statement runs through ``con.execute()``: the
+        connection is returned, ready for ``fetchall()``, ``df()``, ``arrow()``."""
+        from tra_sql import frontend
+        return frontend.run(self, text, params, cursor=True)
+
+    def explain_sql(self, text: str) -> str:
+        """The SQL that ``sql(text)`` hands DuckDB, statement by statement."""
+        from tra_sql import frontend
+        return frontend.explain(self, text)

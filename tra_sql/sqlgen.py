@@ -5,7 +5,9 @@
   aggregated index is split over several tiles, groups by the output keys and hands the
   kernel each group's joined rows as one list of structs (a fused join + aggregate; one
   list keeps the operands' tiles aligned without sorting);
-- a ``Retile`` joins each source tile to the target tiles it overlaps and assembles them;
+- a ``Place`` (re-tile, slice, concat, reshape) joins each source tile to the output tiles it
+  overlaps (a range join on computed element offsets) and assembles each output tile from
+  its pieces; a ``Fill`` generates constant tiles from ``range()`` tables;
 - a program is a ``WITH ... AS MATERIALIZED`` chain, one CTE per node, shared nodes once.
 
 Everything is built as sqlglot expressions; ``Program.sql()`` renders a dialect.
@@ -16,9 +18,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 from sqlglot import exp
 
-from tra_sql.graph import Einsum, Node, Retile, Source, topological
+from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
 KEY_TYPE = "BIGINT[]"
 
@@ -99,40 +102,102 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.
     return select, udf
 
 
-def retile_select(node: Retile, ref: str, name: str) -> exp.Select:
-    """The SELECT cutting ``ref`` (tiled ``node.source.tile``) into tiles of ``node.tile``."""
-    source = node.source
+def _num(value: int) -> exp.Literal:
+    return exp.Literal.number(value)
+
+
+def _plus(value: exp.Expression, offset: int) -> exp.Expression:
+    if offset == 0:
+        return value
+    return exp.Add(this=value, expression=_num(offset)) if offset > 0 else exp.Sub(this=value, expression=_num(-offset))
+
+
+def _grid_table(g: int, size: int) -> exp.Table:
+    """``range(0, size) AS r<g>(o)``: the output tile keys along one dimension."""
+    return exp.Table(this=exp.Anonymous(this="range", expressions=[_num(0), _num(size)]),
+                     alias=exp.TableAlias(this=exp.to_identifier(f"r{g}"), columns=[exp.to_identifier("o")]))
+
+
+def _piece_geometry(node: Place, m: int) -> list[tuple[exp.Expression, exp.Expression]]:
+    """(origin, length) per placement dimension of source ``m``'s tile ``s``, in output
+    element coordinates (flat: one dimension, row-major order)."""
+    src, offsets = node.sources[m], node.offsets[m]
+    keys = [exp.column(key(d), "s") for d in range(len(src.shape))]
+    lengths = [exp.Anonymous(this="least", expressions=[
+        _num(t), exp.Sub(this=_num(n), expression=exp.Mul(this=k.copy(), expression=_num(t)))])
+        for k, n, t in zip(keys, src.shape, src.tile)]
+    if not node.flat:
+        return [(_plus(exp.Mul(this=k, expression=_num(t)), off), length)
+                for k, t, off, length in zip(keys, src.tile, offsets, lengths)]
+    if not src.shape:
+        return [(_num(0), _num(1))]
+    row = int(np.prod(src.shape[1:], dtype=np.int64))
+    return [(exp.Mul(this=keys[0], expression=_num(src.tile[0] * row)), exp.Mul(this=lengths[0], expression=_num(row)))]
+
+
+def _pieces_select(node: Place, m: int, ref: str) -> exp.Select:
+    """One row per (source tile, output tile it overlaps): the output keys ``o<d>`` and a
+    struct with the piece's origin, shape, source number and bytes."""
+    src = node.sources[m]
+    geometry = _piece_geometry(node, m)
+    if node.flat:
+        extents = [(node.tile[0] * int(np.prod(node.shape[1:], dtype=np.int64)), node.grid[0],
+                    int(np.prod(node.shape, dtype=np.int64)))] if node.shape else [(1, 1, 1)]
+    else:
+        extents = list(zip(node.tile, node.grid, node.shape))
     out_keys: list[exp.Expression] = []
-    joins = []
-    for d, (n, old, new) in enumerate(zip(node.shape, source.tile, node.tile)):
-        k = exp.column(key(d), "s")
-        if old == new:
-            out_keys.append(k)
+    joins, where = [], []
+    for g, ((origin, length), (tile, grid, size)) in enumerate(zip(geometry, extents)):
+        direct = not node.flat and src.tile[g] == tile and node.offsets[m][g] == 0 and src.shape[g] == size
+        if direct:
+            out_keys.append(exp.column(key(g), "s"))
             continue
-        target = exp.column("o", f"r{d}")
-        first = exp.IntDiv(this=exp.Mul(this=k.copy(), expression=exp.Literal.number(old)),
-                           expression=exp.Literal.number(new))
-        end = exp.Least(this=exp.Mul(this=exp.paren(exp.Add(this=k.copy(), expression=exp.Literal.number(1))),
-                                     expression=exp.Literal.number(old)),
-                        expressions=[exp.Literal.number(n)])
-        last = exp.IntDiv(this=exp.paren(exp.Sub(this=end, expression=exp.Literal.number(1))),
-                          expression=exp.Literal.number(new))
-        grid = exp.Table(
-            this=exp.Anonymous(this="range", expressions=[exp.Literal.number(0), exp.Literal.number(node.grid[d])]),
-            alias=exp.TableAlias(this=exp.to_identifier(f"r{d}"), columns=[exp.to_identifier("o")]),
-        )
-        joins.append((grid, exp.Between(this=target, low=first, high=last)))
+        end = exp.paren(exp.Add(this=origin.copy(), expression=length.copy()))
+        low = exp.IntDiv(this=exp.paren(origin.copy()), expression=_num(tile))
+        high = exp.IntDiv(this=exp.paren(exp.Sub(this=end.copy(), expression=_num(1))), expression=_num(tile))
+        target = exp.column("o", f"r{g}")
+        joins.append((_grid_table(g, grid), exp.Between(this=target, low=low, high=high)))
+        where += [exp.LT(this=origin.copy(), expression=_num(size)), exp.GT(this=end, expression=_num(0))]
         out_keys.append(target)
-    rank = len(node.shape)
-    meta = _meta({"name": name, "dtype": node.dtype.name, "shape": list(node.shape),
-                  "from": list(source.tile), "to": list(node.tile)})
-    src_keys = [exp.column(key(d), "s") for d in range(rank)]
-    pieces = _list_of_structs([_field("keys", _array(src_keys)), _field("tile", exp.column("tile", "s"))])
-    call = exp.Anonymous(this="tra_retile", expressions=[meta, _array([k.copy() for k in out_keys]), pieces])
-    select = exp.select(*_select_keys(out_keys, call)).from_(_table(ref, "s"))
+    if node.flat and node.shape:
+        out_keys = out_keys[:1] + [_num(0)] * (len(node.shape) - 1)
+    piece = exp.Struct(expressions=[
+        _field("origin", _array([o for o, _ in geometry])), _field("shape", _array([n for _, n in geometry])),
+        _field("part", _num(m)), _field("tile", exp.column("tile", "s")),
+    ])
+    select = exp.select(*[exp.alias_(k, f"o{d}") for d, k in enumerate(out_keys)], exp.alias_(piece, "piece"))
+    select = select.from_(_table(ref, "s"))
     for table, on in joins:
         select = select.join(table, on=on)
-    return select.group_by(*[k.copy() for k in out_keys])
+    return select.where(exp.and_(*where)) if where else select
+
+
+def place_select(node: Place, refs: list[str], names: list[str]) -> exp.Select:
+    """The SELECT assembling ``node``'s tiles from the pieces of its sources."""
+    parts = [_pieces_select(node, m, ref) for m, ref in enumerate(refs)]
+    pieces = parts[0]
+    for part in parts[1:]:
+        pieces = exp.union(pieces, part, distinct=False)
+    meta = _meta({"names": names, "dtypes": [src.dtype.name for src in node.sources], "dtype": node.dtype.name,
+                  "shape": list(node.shape), "tile": list(node.tile), "flat": node.flat})
+    out_keys = [exp.column(f"o{d}", "p") for d in range(len(node.shape))]
+    call = exp.Anonymous(this="tra_place", expressions=[
+        meta, _array([k.copy() for k in out_keys]), exp.ArrayAgg(this=exp.column("piece", "p"))])
+    select = exp.select(*_select_keys(out_keys, call)).from_(exp.Subquery(
+        this=pieces, alias=exp.TableAlias(this=exp.to_identifier("p"))))
+    return select.group_by(*[k.copy() for k in out_keys]) if out_keys else select
+
+
+def fill_select(node: Fill) -> exp.Select:
+    """The SELECT generating every tile of a constant tensor."""
+    keys = [exp.column("o", f"r{d}") for d in range(len(node.shape))]
+    meta = _meta({"dtype": node.dtype.name, "shape": list(node.shape), "tile": list(node.tile), "value": node.value})
+    call = exp.Anonymous(this="tra_fill", expressions=[meta, _array([k.copy() for k in keys])])
+    select = exp.select(*_select_keys(keys, call))
+    for d, grid in enumerate(node.grid):
+        table = _grid_table(d, grid)
+        select = select.from_(table) if d == 0 else select.join(table, join_type="CROSS")
+    return select
 
 
 @dataclass
@@ -160,8 +225,10 @@ class Program:
         labels = [child.table if isinstance(child, Source) else r for child, r in zip(node.inputs, refs)]
         if isinstance(node, Einsum):
             select, udf = einsum_select(node, refs, labels)
-        elif isinstance(node, Retile):
-            select, udf = retile_select(node, refs[0], labels[0]), "tra_retile"
+        elif isinstance(node, Place):
+            select, udf = place_select(node, refs, labels), "tra_place"
+        elif isinstance(node, Fill):
+            select, udf = fill_select(node), "tra_fill"
         else:
             raise TypeError(f"cannot compile {type(node).__name__}")
         self.udfs.add(udf)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from tra_sql import graph, structure
 from tra_sql.graph import Node, Source, topological
 from tra_sql.sqlgen import Program
 
@@ -65,6 +66,30 @@ class Tensor:
     def retile(self, tile) -> Tensor:
         """The same tensor cut into tiles of shape ``tile`` (done in SQL)."""
         return self.session.retile(self, tile)
+
+    def __getitem__(self, index) -> Tensor:
+        """Basic indexing with integers and step-1 slices (a TRA filter + re-key in SQL)."""
+        starts, stops, dropped = structure.index_bounds(index, self.shape, self.name or "tensor")
+        node = graph.slice_(self.node, starts, stops)
+        if dropped:
+            kept = [d for d in range(self.ndim) if d not in dropped]
+            node = graph.reshape(node, tuple(stops[d] - starts[d] for d in kept))
+        return Tensor(self.session, node)
+
+    def reshape(self, *shape) -> Tensor:
+        """The same elements in row-major order under a new shape (one ``-1`` allowed)."""
+        shape = structure.new_shape(shape, self.shape)
+        return Tensor(self.session, graph.reshape(self.node, shape))
+
+    def transpose(self, *axes) -> Tensor:
+        """Axes permuted (reversed by default): an einsum that re-keys and transposes tiles."""
+        perm = structure.permutation(axes, self.ndim)
+        letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[: self.ndim]
+        return self.session.einsum(f"{letters}->{''.join(letters[p] for p in perm)}", self)
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 - numpy's name
+        return self.transpose()
 
     def explain(self) -> str:
         """The program: one line per step with shape, tile shape and dtype, then its SQL."""

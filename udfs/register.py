@@ -9,8 +9,10 @@ serves every einsum of its arity:
 - ``tra_einsum_agg_<n>(meta, out_keys, list({keys0, tile0, ..., keys<n-1>, tile<n-1>}))``:
   one output tile per group, aggregating the group's joined rows inside the kernel (fused
   join + aggregate);
-- ``tra_retile(meta, out_keys, list({keys, tile}))``: one tile of a new tiling, cut from
-  the source tiles that overlap it.
+- ``tra_place(meta, out_keys, list({origin, shape, part, tile}))``: one output tile of a
+  re-tiling, slice, concatenation or reshape, assembled from the source pieces that overlap
+  it (origins in output element coordinates; row-major flat ones for a reshape);
+- ``tra_fill(meta, out_keys)``: one tile of a constant tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from functools import cached_property, lru_cache
 
 import duckdb
 import numpy as np
-from duckdb.sqltypes import BIGINT, BLOB, VARCHAR
+from duckdb.sqltypes import BIGINT, BLOB, INTEGER, VARCHAR
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
@@ -158,38 +160,60 @@ def einsum_groups(meta_col, out_keys_col, rows_col):
     return binary_array(buf, offsets)
 
 
-def retile(meta_col, out_keys_col, pieces_col):
-    """``tra_retile``: assemble tiles of a new tiling from the overlapping source tiles."""
+def place(meta_col, out_keys_col, pieces_col):
+    """``tra_place``: assemble each output tile from the source pieces that overlap it."""
     m = json.loads(first_string(meta_col))
-    source = Operand(m["name"], np.dtype(m["dtype"]), np.array(m["shape"]), np.array(m["from"]))
-    target = Operand(m["name"], source.dtype, source.sizes, np.array(m["to"]))
-    rank = len(source.sizes)
-    out_keys = key_matrix(out_keys_col, rank)
+    shape, tile = np.array(m["shape"], dtype=np.int64), np.array(m["tile"], dtype=np.int64)
+    target = Operand("result", np.dtype(m["dtype"]), shape, tile)
+    out_keys = key_matrix(out_keys_col, len(shape))
     buf, offsets, shapes = _allocate(target, out_keys)
     starts, flat = list_views(pieces_col)
-    flat_keys, flat_tiles = flat.flatten()
-    keys = key_matrix(flat_keys, rank)
-    pieces = source.views(*binary_views(flat_tiles), np.arange(len(keys)), keys)
+    origin_col, shape_col, part_col, tile_col = flat.flatten()
+    rank = 1 if m["flat"] else len(shape)
+    origins, extents = key_matrix(origin_col, rank), key_matrix(shape_col, rank)
+    parts = part_col.to_numpy(zero_copy_only=False)
+    data, data_offsets, valid = binary_views(tile_col)
+    dtypes = [np.dtype(d) for d in m["dtypes"]]
+    flat_tile = int(tile[0] * np.prod(shape[1:])) if len(shape) else 1
     for row in range(len(out_keys)):
         out = _out_view(buf, offsets, row, shapes[row], target.dtype)
         out[...] = 0
-        origin = out_keys[row] * target.tiles
-        for element in range(starts[row], starts[row + 1]):
-            piece = pieces[element]
-            at = keys[element] * source.tiles
-            lo = np.maximum(origin, at)
-            hi = np.minimum(origin + shapes[row], at + piece.shape)
+        if m["flat"]:
+            out, origin = out.reshape(-1), out_keys[row][:1] * flat_tile
+        else:
+            origin = out_keys[row] * tile
+        for e in range(starts[row], starts[row + 1]):
+            source = Operand(m["names"][parts[e]], dtypes[parts[e]], extents[e], extents[e])
+            piece = source.views(data, data_offsets, valid, [e], np.zeros((1, rank), np.int64))[0]
+            lo = np.maximum(origin, origins[e])
+            hi = np.minimum(origin + out.shape, origins[e] + extents[e])
+            if np.any(hi <= lo):
+                continue
             out[tuple(slice(a, b) for a, b in zip(lo - origin, hi - origin))] = piece[
-                tuple(slice(a, b) for a, b in zip(lo - at, hi - at))
+                tuple(slice(a, b) for a, b in zip(lo - origins[e], hi - origins[e]))
             ]
+    return binary_array(buf, offsets)
+
+
+def fill(meta_col, out_keys_col):
+    """``tra_fill``: one constant tile per row of output keys."""
+    m = json.loads(first_string(meta_col))
+    target = Operand("result", np.dtype(m["dtype"]), np.array(m["shape"], np.int64), np.array(m["tile"], np.int64))
+    out_keys = key_matrix(out_keys_col, len(target.sizes))
+    buf, offsets, shapes = _allocate(target, out_keys)
+    for row in range(len(out_keys)):
+        _out_view(buf, offsets, row, shapes[row], target.dtype)[...] = m["value"]
     return binary_array(buf, offsets)
 
 
 def _signature(name: str):
     """(Python function, parameter types) of a tile UDF name."""
     keys = duckdb.list_type(BIGINT)
-    if name == "tra_retile":
-        return retile, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type({"keys": keys, "tile": BLOB}))]
+    if name == "tra_place":
+        piece = duckdb.struct_type({"origin": keys, "shape": keys, "part": INTEGER, "tile": BLOB})
+        return place, [VARCHAR, keys, duckdb.list_type(piece)]
+    if name == "tra_fill":
+        return fill, [VARCHAR, keys]
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)", name)
     if not match:
         raise ValueError(f"no tile UDF is named {name!r}")
