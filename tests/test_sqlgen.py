@@ -69,3 +69,12 @@ def test_contractions_route_to_blas():
     assert TileEinsum(("bij", "bjk"), "bik")._matmul_layout is not None
     assert TileEinsum(("ij", "jk"), "ik", agg="max")._matmul_layout is None
     assert TileEinsum(("ii", "ik"), "ik")._matmul_layout is None
+
+
+def test_identical_subprograms_are_merged(db):
+    A = db.from_numpy("A", np.eye(3) * 2, tile=(2, 2))
+    left = db.einsum("ij,jk->ik", A, A)
+    right = db.einsum("ij,jk->ik", A, A)
+    total = db.einsum("ij,ij->ij", left, right, join="x0 + x1")
+    assert flat(total).count("TRA_EINSUM_AGG_2(") == 1
+    np.testing.assert_allclose(total.numpy(), np.eye(3) * 8)

@@ -202,12 +202,15 @@ def fill_select(node: Fill) -> exp.Select:
 
 @dataclass
 class Program:
-    """The SQL of a DAG: one materialized CTE per computed node, and the UDFs it calls."""
+    """The SQL of a DAG: one SELECT per computed node (a materialized CTE, but for the root,
+    which is the final SELECT), and the UDFs it calls. Nodes whose SQL is identical (the same
+    computation on the same inputs) share one CTE."""
 
     root: Node
     ctes: list[tuple[str, exp.Select, Node]] = field(default_factory=list)
     udfs: set[str] = field(default_factory=set)
     refs: dict[int, str] = field(default_factory=dict)
+    by_sql: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def compile(cls, root: Node) -> Program:
@@ -231,15 +234,24 @@ class Program:
             select, udf = fill_select(node), "tra_fill"
         else:
             raise TypeError(f"cannot compile {type(node).__name__}")
+        text = select.sql(dialect="duckdb")
+        if text in self.by_sql:
+            self.refs[id(node)] = self.by_sql[text]
+            return
         self.udfs.add(udf)
         self.ctes.append((name, select, node))
-        self.refs[id(node)] = name
+        self.refs[id(node)] = self.by_sql[text] = name
 
     def query(self) -> exp.Select:
-        """``WITH ... SELECT k0, ..., tile FROM <root>``."""
-        columns = [exp.column(key(d)) for d in range(len(self.root.shape))] + [exp.column("tile")]
-        select = exp.select(*columns).from_(exp.to_table(self.refs[id(self.root)], quoted=True))
-        for name, cte, _ in self.ctes:
+        """``WITH <steps> AS MATERIALIZED (...) <root's SELECT>``: columns ``k0, ..., tile``."""
+        root = self.refs[id(self.root)]
+        steps = [(name, cte) for name, cte, _ in self.ctes if name != root]
+        final = next((cte for name, cte, _ in self.ctes if name == root), None)
+        if final is None:  # the root is a stored table
+            columns = [exp.column(key(d)) for d in range(len(self.root.shape))] + [exp.column("tile")]
+            final = exp.select(*columns).from_(exp.to_table(root, quoted=True))
+        select = final.copy()
+        for name, cte in steps:
             select = select.with_(name, as_=cte, materialized=True)
         return select
 
