@@ -114,3 +114,16 @@ def test_structural_errors(db):
         db.concat([a, db.from_numpy("B", np.ones((4, 4)))], axis=0)
     with pytest.raises(tra_sql.ShapeError, match="axis 2"):
         db.concat([a, a], axis=2)
+
+
+def test_add_is_a_keyed_sum(db, rng):
+    x, y = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    a = db.from_numpy("A", x, tile=(2, 2))
+    b = db.from_numpy("B", y, tile=(3, 3))
+    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0').fetchall()
+    x[:2, :2] = 0
+    total = db.add(a, b, a)
+    assert "TRA_PLACE(" in total.program().sql(pretty=False)
+    np.testing.assert_allclose(total.numpy(), 2 * x + y)
+    with pytest.raises(tra_sql.ShapeError, match="add"):
+        db.add(a, db.from_numpy("C", np.ones(3)))

@@ -66,11 +66,14 @@ class Place(Node):
 
     With ``flat``, placement happens in row-major flat element order instead (reshape): the
     source's tiles must then span all but its first dimension, and so must the output's.
+    With ``add``, overlapping pieces are summed (a keyed sum: fan-out, gradients), and a tile
+    absent from every source stays absent.
     """
 
     sources: tuple[Node, ...]
     offsets: tuple[tuple[int, ...], ...]
     flat: bool = False
+    add: bool = False
 
     @property
     def inputs(self) -> tuple[Node, ...]:
@@ -80,6 +83,8 @@ class Place(Node):
     def label(self) -> str:
         if self.flat:
             return f"reshape {self.sources[0].shape} -> {self.shape}"
+        if self.add:
+            return f"add {len(self.sources)} tensors"
         if len(self.sources) > 1:
             return f"concat {len(self.sources)} parts"
         if self.shape != self.sources[0].shape:
@@ -138,6 +143,14 @@ def concat(nodes: list[Node], axis: int) -> Node:
     shape = tuple(at if d == axis else n for d, n in enumerate(nodes[0].shape))
     dtype = np.result_type(*(n.dtype for n in nodes))
     return Place(shape, dtype, nodes[0].tile, tuple(nodes), tuple(offsets))
+
+
+def add(nodes: list[Node]) -> Node:
+    """The element-wise sum of same-shaped ``nodes`` as a keyed sum: absent tiles are zeros,
+    and an output tile exists where any input has one (unlike an einsum join)."""
+    dtype = np.result_type(*(n.dtype for n in nodes))
+    zero = (0,) * len(nodes[0].shape)
+    return Place(nodes[0].shape, dtype, nodes[0].tile, tuple(nodes), (zero,) * len(nodes), add=True)
 
 
 def reshape(node: Node, shape: tuple[int, ...]) -> Node:

@@ -179,7 +179,7 @@ def place_select(node: Place, refs: list[str], names: list[str]) -> exp.Select:
     for part in parts[1:]:
         pieces = exp.union(pieces, part, distinct=False)
     meta = _meta({"names": names, "dtypes": [src.dtype.name for src in node.sources], "dtype": node.dtype.name,
-                  "shape": list(node.shape), "tile": list(node.tile), "flat": node.flat})
+                  "shape": list(node.shape), "tile": list(node.tile), "flat": node.flat, "add": node.add})
     out_keys = [exp.column(f"o{d}", "p") for d in range(len(node.shape))]
     call = exp.Anonymous(this="tra_place", expressions=[
         meta, _array([k.copy() for k in out_keys]), exp.ArrayAgg(this=exp.column("piece", "p"))])

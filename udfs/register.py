@@ -189,9 +189,12 @@ def place(meta_col, out_keys_col, pieces_col):
             hi = np.minimum(origin + out.shape, origins[e] + extents[e])
             if np.any(hi <= lo):
                 continue
-            out[tuple(slice(a, b) for a, b in zip(lo - origin, hi - origin))] = piece[
-                tuple(slice(a, b) for a, b in zip(lo - origins[e], hi - origins[e]))
-            ]
+            region = tuple(slice(a, b) for a, b in zip(lo - origin, hi - origin))
+            cut = piece[tuple(slice(a, b) for a, b in zip(lo - origins[e], hi - origins[e]))]
+            if m["add"]:
+                out[region] += cut
+            else:
+                out[region] = cut
     return binary_array(buf, offsets)
 
 
