@@ -151,6 +151,16 @@ class Session:
                                         f"'{names[0]}' has {nodes[0].shape}")
         return Tensor(self, graph.concat(list(nodes), axis))
 
+    def add(self, *tensors) -> Tensor:
+        """Element-wise sum of same-shaped tensors as a keyed sum (absent tiles are zeros)."""
+        nodes, names = zip(*(self._node(t) for t in tensors)) if tensors else ((), ())
+        if not nodes:
+            raise errors.ShapeError("add needs at least one tensor")
+        for node, name in zip(nodes, names):
+            if node.shape != nodes[0].shape:
+                raise errors.ShapeError(f"add: '{name}' has shape {node.shape}, '{names[0]}' has {nodes[0].shape}")
+        return Tensor(self, graph.add(list(nodes)))
+
     def full(self, shape, value: float, dtype="float64", tile=None) -> Tensor:
         """A constant tensor (lazy: its tiles are generated in SQL)."""
         shape = tuple(int(n) for n in shape)
