@@ -19,6 +19,6 @@ from tra_sql.tensor import Tensor
 
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
-    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError",
+    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError",
 ]
 __version__ = "0.1.0"

@@ -34,3 +34,7 @@ class CorruptTileError(TraError):
 
 class ExecutionError(TraError):
     """The engine rejected or failed a generated or user statement."""
+
+
+class SQLError(TraError, ValueError):
+    """A malformed SQL statement, or a misuse of the tensor extensions to SQL."""

@@ -1,0 +1,191 @@
+"""``tra-sql [DATABASE] [-c SQL | -f FILE.sql]``: tensor SQL on a DuckDB database.
+
+With ``-c`` or ``-f`` the statements run in order and stop at the first error (exit status 1,
+one line on stderr). Without them, statements are read from a prompt (from stdin when it is
+not a terminal): a statement may span lines and ends with ``;``; ``EXPLAIN <statement>``
+prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.help`` and ``.quit``
+are commands. Results are printed as tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TextIO
+
+import duckdb
+import sqlglot
+from sqlglot.tokens import TokenType
+
+from tra_sql import frontend
+from tra_sql.errors import TraError
+from tra_sql.session import Session, connect
+
+HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
+QUIET = (["Count"], ["Success"])
+HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's:
+  SELECT * FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 * x1'] [, agg => 'sum'])
+  SELECT * FROM tra_elements(A)                      -- one row per element
+  SELECT * FROM tra_random(shape => [4, 3], tile => [2, 2], seed => 0)
+  SELECT * FROM tra_from_elements((SELECT i, j, v FROM t), shape => [4, 3])
+  CREATE [OR REPLACE] TENSOR name AS SELECT * FROM einsum(...);   DROP TENSOR name;
+  EXPLAIN <statement>                                -- the rewritten SQL
+Commands: .tensors  .help  .quit"""
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def show(result: duckdb.DuckDBPyRelation | None, out: TextIO) -> None:
+    """Print a statement's result as a table (nothing for DDL counts)."""
+    if result is None or (result.type == "MATERIALIZED_RELATION" and result.columns in QUIET):
+        return
+    if result.columns == ["explain_key", "explain_value"]:
+        for _, plan in result.fetchall():
+            print(plan, file=out)
+        return
+    print(str(result).rstrip("\n"), file=out)
+
+
+def run_statement(db: Session, statement: frontend.Statement, out: TextIO) -> None:
+    """Run one statement and print what it gives."""
+    rewritten = frontend.explain_statement(db, statement)
+    if rewritten is not None:
+        print(rewritten, file=out)
+        return
+    result = frontend.run_statement(db, statement)
+    try:
+        show(result, out)
+    except duckdb.Error as err:
+        raise frontend.engine_error(err, statement.where()) from None
+
+
+def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = True) -> bool:
+    """Run the statements of ``text``; report errors on ``err``; False if any failed."""
+    ok = True
+    try:
+        statements = frontend.split_statements(text)
+    except TraError as error:
+        print(f"Error: {one_line(error)}", file=err)
+        return False
+    for statement in statements:
+        try:
+            run_statement(db, statement, out)
+        except TraError as error:
+            print(f"Error: {one_line(error)}", file=err)
+            ok = False
+            if stop:
+                break
+    return ok
+
+
+def complete(text: str) -> bool:
+    """Whether ``text`` ends with a ``;`` outside strings and comments."""
+    try:
+        tokens = frontend.DIALECT.tokenize(text)
+    except sqlglot.errors.TokenError:
+        return False
+    return bool(tokens) and tokens[-1].token_type == TokenType.SEMICOLON
+
+
+def _history(interactive: bool) -> None:
+    if not interactive:
+        return
+    try:
+        import atexit
+        import readline
+    except ImportError:
+        return
+    try:
+        readline.read_history_file(HISTORY)
+    except OSError:
+        pass
+    atexit.register(lambda: _save_history(readline))
+
+
+def _save_history(readline) -> None:
+    try:
+        readline.write_history_file(HISTORY)
+    except OSError:
+        pass
+
+
+def command(db: Session, line: str, out: TextIO) -> bool:
+    """Run a dot command; False for .quit."""
+    name = line.split()[0].lower()
+    if name in (".quit", ".exit"):
+        return False
+    if name == ".tensors":
+        show(db.con.sql("SELECT * FROM tra_tensors ORDER BY name"), out)
+    else:
+        print(HELP, file=out)
+    return True
+
+
+def repl(db: Session, out: TextIO, err: TextIO, interactive: bool) -> int:
+    """Read statements until EOF or .quit; exit status 1 if a piped statement failed."""
+    _history(interactive)
+    if interactive:
+        print("tra-sql: tensor SQL on DuckDB. Statements end with ';'. .help for help.", file=out)
+    buffer: list[str] = []
+    ok = True
+    while True:
+        prompt = ("tra-sql> " if not buffer else "   ...> ") if interactive else ""
+        try:
+            line = input(prompt)
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            buffer = []
+            print(file=out)
+            continue
+        if not buffer and line.strip().startswith("."):
+            if not command(db, line.strip(), out):
+                break
+            continue
+        buffer.append(line)
+        text = "\n".join(buffer)
+        if complete(text):
+            buffer = []
+            try:
+                ok = run_script(db, text, out, err, stop=False) and ok
+            except KeyboardInterrupt:
+                print("Interrupted", file=err)
+    if interactive:
+        print(file=out)
+    if "".join(buffer).strip():
+        ok = run_script(db, "\n".join(buffer), out, err, stop=False) and ok
+    return 0 if ok or interactive else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tra-sql", description="Tensor SQL (einsum in SQL) on DuckDB.")
+    parser.add_argument("database", nargs="?", default=":memory:", help="database file (default: in memory)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("-c", dest="command", metavar="SQL", help="run these statements and exit")
+    source.add_argument("-f", dest="file", metavar="FILE.sql", help="run the statements in FILE and exit")
+    args = parser.parse_args(argv)
+    try:
+        text = None
+        if args.file is not None:
+            with open(args.file, encoding="utf-8") as handle:
+                text = handle.read()
+        elif args.command is not None:
+            text = args.command
+        db = connect(args.database)
+    except OSError as error:
+        print(f"Error: cannot read {args.file}: {error.strerror}", file=sys.stderr)
+        return 1
+    except TraError as error:
+        print(f"Error: {one_line(error)}", file=sys.stderr)
+        return 1
+    with db:
+        if text is not None:
+            return 0 if run_script(db, text, sys.stdout, sys.stderr) else 1
+        return repl(db, sys.stdout, sys.stderr, sys.stdin.isatty())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
