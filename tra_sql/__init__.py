@@ -10,6 +10,7 @@ from tra_sql.errors import (
     ExecutionError,
     ShapeError,
     SpecError,
+    SQLError,
     TensorExistsError,
     TraError,
     UnknownTensorError,
@@ -19,6 +20,6 @@ from tra_sql.tensor import Tensor
 
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
-    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError",
+    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError", "SQLError",
 ]
 __version__ = "0.1.0"
