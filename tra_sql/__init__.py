@@ -20,6 +20,6 @@ from tra_sql.tensor import Tensor
 
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
-    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError", "SQLError",
+    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError",
 ]
 __version__ = "0.1.0"
