@@ -112,3 +112,12 @@ def test_lazy_until_run(db):
     assert db.tensors() == ["A"]
     assert "JOIN" in C.sql()
     assert C.name is None and "einsum" in repr(C)
+
+
+def test_names_are_case_insensitive_like_sql(db):
+    db.from_numpy("Weights", np.ones(2))
+    assert db.tensor("weights").name == "Weights"
+    with pytest.raises(tra_sql.TensorExistsError, match="case-insensitive"):
+        db.from_numpy("WEIGHTS", np.ones(2))
+    db.drop("WEIGHTS")
+    assert db.tensors() == []

@@ -92,12 +92,12 @@ def ensure_catalog(con: duckdb.DuckDBPyConnection) -> None:
 
 def lookup(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo:
     rows = con.execute(
-        f"SELECT dtype, shape, tile_shape FROM {CATALOG_TABLE} WHERE name = ?", [name]
+        f"SELECT name, dtype, shape, tile_shape FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]
     ).fetchall()
     if not rows:
         raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
-    dtype, shape, tile = rows[0]
-    return TensorInfo(name, np.dtype(dtype), tuple(shape), tuple(tile))
+    stored, dtype, shape, tile = rows[0]
+    return TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile))
 
 
 def list_tensors(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -164,10 +164,10 @@ def create_tensor_table(
     try:
         if table_exists(con, info.name):
             if not replace:
-                raise TensorExistsError(f"a table named '{info.name}' exists already; "
-                                        f"pass replace=True to overwrite it")
+                raise TensorExistsError(f"a table named '{info.name}' exists already (names are "
+                                        f"case-insensitive, as in SQL); pass replace=True to overwrite it")
             con.execute(f'DROP TABLE "{info.name}"').fetchall()
-        con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [info.name]).fetchall()
+        con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [info.name]).fetchall()
         con.execute(f'CREATE TABLE "{info.name}" AS {select_sql}').fetchall()
         con.execute(
             f"INSERT INTO {CATALOG_TABLE} VALUES (?, ?, ?, ?)",
@@ -180,7 +180,7 @@ def create_tensor_table(
 
 
 def drop_tensor(con: duckdb.DuckDBPyConnection, name: str) -> None:
-    lookup(con, name)
+    name = lookup(con, name).name
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
         con.execute(f'DROP TABLE IF EXISTS "{name}"').fetchall()

@@ -1,0 +1,18 @@
+"""The tutorial notebook runs top to bottom (its cells assert against NumPy)."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "01-einsum-in-sql.ipynb"
+
+
+def test_einsum_in_sql_notebook_runs(tmp_path):
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
