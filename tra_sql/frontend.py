@@ -33,7 +33,7 @@ Statements are DuckDB SQL plus the following (options are named arguments, writt
 
 Scalar functions registered on the connection: ``tra_tile_values(tile, dtype)`` (DOUBLE[])
 and ``tra_tile_ints(tile, dtype)`` (BIGINT[]) give a tile's elements in C order;
-``tra_random_tile`` and ``tra_pack_tile`` serve the rewrites above.
+``tra_random_tile`` and ``tra_pack_tile`` serve the rewrites above (all in ``tra_sql.udfs.elements``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import duckdb
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import sqlglot
-from duckdb.sqltypes import BIGINT, BLOB, DOUBLE, VARCHAR
 from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
@@ -59,9 +55,7 @@ from sqlglot.tokens import Token, TokenType
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import (
-    CorruptTileError,
     DTypeError,
-    ShapeError,
     SpecError,
     SQLError,
     TraError,
@@ -70,8 +64,6 @@ from tra_sql.errors import (
 from tra_sql.graph import Source, topological
 from tra_sql.session import translate
 from tra_sql.tensor import Tensor
-from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
-from tra_sql.udfs.register import tile_shapes
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -90,112 +82,9 @@ USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(..
                 "tra_from_elements(...) or a stored tensor, optionally with WHERE on the keys k0..")
 
 
-# -- tile functions registered on the connection ------------------------------------------
-def _decode(tiles, dtypes, out: type) -> pa.Array:
-    """The elements of every tile as one list per row, converted to ``out``."""
-    data, offsets, valid = binary_views(tiles)
-    names = dtypes.combine_chunks() if isinstance(dtypes, pa.ChunkedArray) else dtypes
-    distinct = pc.unique(names)
-    if valid.all() and len(distinct) == 1 and distinct[0].is_valid:
-        dtype = catalog.check_dtype(distinct[0].as_py())
-        lengths = np.diff(offsets)
-        if (lengths % dtype.itemsize).any():
-            raise CorruptTileError(f"a tile's byte size is not a multiple of {dtype} ({dtype.itemsize})")
-        values = data[offsets[0] : offsets[-1]].view(dtype).astype(out)
-        return pa.LargeListArray.from_arrays(pa.array((offsets - offsets[0]) // dtype.itemsize), values)
-    rows: list[np.ndarray | None] = []
-    for row, name in enumerate(names.to_pylist()):
-        if not valid[row] or name is None:
-            rows.append(None)
-            continue
-        dtype = catalog.check_dtype(name)
-        raw = data[offsets[row] : offsets[row + 1]]
-        if raw.size % dtype.itemsize:
-            raise CorruptTileError(f"a tile of {raw.size} bytes is not a whole number of {dtype} elements")
-        rows.append(raw.view(dtype).astype(out))
-    return pa.array(rows, type=pa.large_list(pa.from_numpy_dtype(np.dtype(out))))
-
-
-def tile_values(tiles, dtypes) -> pa.Array:
-    """``tra_tile_values(tile BLOB, dtype VARCHAR) -> DOUBLE[]``: a tile's elements, C order."""
-    return _decode(tiles, dtypes, np.float64)
-
-
-def tile_ints(tiles, dtypes) -> pa.Array:
-    """``tra_tile_ints(tile BLOB, dtype VARCHAR) -> BIGINT[]``: exact for integer tensors."""
-    return _decode(tiles, dtypes, np.int64)
-
-
-def _geometry(meta: dict) -> tuple[TensorInfo, np.ndarray, np.ndarray]:
-    info = TensorInfo(meta["name"], np.dtype(meta["dtype"]), tuple(meta["shape"]), tuple(meta["tile"]))
-    return info, np.array(info.shape, dtype=np.int64), np.array(info.tile, dtype=np.int64)
-
-
-def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """A zeroed element buffer for one tile per row of ``shapes``, and element offsets."""
-    offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
-    np.cumsum(np.prod(shapes, axis=1, dtype=np.int64), out=offsets[1:])
-    return np.zeros(int(offsets[-1]), dtype=dtype), offsets
-
-
-def random_tiles(meta_col, keys_col) -> pa.Array:
-    """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
-    with (seed, *key), so a tile's values depend on the seed, the key and the tiling only."""
-    meta = json.loads(first_string(meta_col))
-    info, sizes, tiles = _geometry(meta)
-    keys = key_matrix(keys_col, len(info.shape))
-    shapes = tile_shapes(keys, sizes, tiles)
-    buf, offsets = _tile_buffer(shapes, info.dtype)
-    for row, key in enumerate(keys):
-        rng = np.random.default_rng([meta["seed"], *key.tolist()])
-        shape = tuple(shapes[row])
-        draw = rng.standard_normal(shape) if meta["dist"] == "normal" else rng.random(shape)
-        buf[offsets[row] : offsets[row + 1]] = draw.ravel()
-    return binary_array(buf.view(np.uint8), offsets * info.dtype.itemsize)
-
-
-def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
-    """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
-    elements; absent elements are zero and repeated indices add up."""
-    info, sizes, tiles = _geometry(json.loads(first_string(meta_col)))
-    rank = len(info.shape)
-    keys = key_matrix(keys_col, rank)
-    starts, flat_index = list_views(index_col)
-    _, flat_values = list_views(values_col)
-    if flat_index.null_count or pc.list_flatten(flat_index).null_count:
-        raise ShapeError(f"{info.name}(): an element index is NULL")
-    index = key_matrix(flat_index, rank)
-    row = np.repeat(np.arange(len(keys)), np.diff(starts))
-    shapes = tile_shapes(keys, sizes, tiles)
-    local = index - keys[row] * tiles
-    bad = ((local < 0) | (local >= shapes[row])).any(axis=1)
-    if bad.any():
-        where = tuple(int(i) for i in index[int(np.argmax(bad))])
-        raise ShapeError(f"{info.name}(): element {where} is outside the shape {info.shape}")
-    strides = np.ones_like(shapes)
-    for d in range(rank - 2, -1, -1):
-        strides[:, d] = strides[:, d + 1] * shapes[:, d + 1]
-    buf, offsets = _tile_buffer(shapes, info.dtype)
-    values = flat_values.to_numpy(zero_copy_only=False).astype(info.dtype)
-    np.add.at(buf, offsets[row] + (local * strides[row]).sum(axis=1), values)
-    return binary_array(buf.view(np.uint8), offsets * info.dtype.itemsize)
-
-
 def ensure_functions(session: Session) -> None:
-    """Register the frontend's scalar functions on the session's connection (once)."""
-    keys = duckdb.list_type(BIGINT)
-    functions = {
-        "tra_tile_values": (tile_values, [BLOB, VARCHAR], duckdb.list_type(DOUBLE)),
-        "tra_tile_ints": (tile_ints, [BLOB, VARCHAR], duckdb.list_type(BIGINT)),
-        "tra_random_tile": (random_tiles, [VARCHAR, keys], BLOB),
-        "tra_pack_tile": (pack_tiles, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(DOUBLE)],
-                          BLOB),
-    }
-    for name, (function, params, result) in functions.items():
-        if name not in session._udfs:
-            session.con.create_function(name, function, params, result, type="arrow",
-                                        null_handling="special", exception_handling="default")
-            session._udfs.add(name)
+    """Register the element-level tile functions (``tra_sql.udfs.elements``)."""
+    session.ensure_udfs(["tra_tile_values", "tra_tile_ints", "tra_random_tile", "tra_pack_tile"])
 
 
 # -- statements ---------------------------------------------------------------------------
@@ -529,7 +418,7 @@ class Rewriter:
     def query(self, tensor: Tensor) -> exp.Select:
         """The tile relation of ``tensor``: the program's query with its literals' CTEs."""
         program = tensor.program()
-        self.session._prepare(program)
+        self.session.ensure_udfs(program.udfs)
         select = program.query()
         used = [n.table for n in topological(tensor.node) if isinstance(n, Source) and n.table in self.literals]
         if used:

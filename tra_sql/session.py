@@ -175,10 +175,14 @@ class Session:
         return self.full(shape, 1, dtype, tile)
 
     # -- running ------------------------------------------------------------------------
-    def _prepare(self, program: Program) -> None:
-        missing = program.udfs - self._udfs
+    def ensure_udfs(self, names) -> None:
+        """Register the named tile UDFs on this connection, once each."""
+        missing = set(names) - self._udfs
         register_kernels(self.con, sorted(missing))
         self._udfs |= missing
+
+    def _prepare(self, program: Program) -> None:
+        self.ensure_udfs(program.udfs)
 
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""

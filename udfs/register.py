@@ -24,7 +24,7 @@ from functools import cached_property, lru_cache
 
 import duckdb
 import numpy as np
-from duckdb.sqltypes import BIGINT, BLOB, INTEGER, VARCHAR
+from duckdb.sqltypes import BIGINT, BLOB, DOUBLE, INTEGER, VARCHAR
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
@@ -210,21 +210,30 @@ def fill(meta_col, out_keys_col):
 
 
 def _signature(name: str):
-    """(Python function, parameter types) of a tile UDF name."""
+    """(Python function, parameter types, result type) of a UDF name."""
+    from tra_sql.udfs import elements
+
     keys = duckdb.list_type(BIGINT)
-    if name == "tra_place":
-        piece = duckdb.struct_type({"origin": keys, "shape": keys, "part": INTEGER, "tile": BLOB})
-        return place, [VARCHAR, keys, duckdb.list_type(piece)]
-    if name == "tra_fill":
-        return fill, [VARCHAR, keys]
+    fixed = {
+        "tra_place": (place, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(
+            {"origin": keys, "shape": keys, "part": INTEGER, "tile": BLOB}))], BLOB),
+        "tra_fill": (fill, [VARCHAR, keys], BLOB),
+        "tra_tile_values": (elements.tile_values, [BLOB, VARCHAR], duckdb.list_type(DOUBLE)),
+        "tra_tile_ints": (elements.tile_ints, [BLOB, VARCHAR], duckdb.list_type(BIGINT)),
+        "tra_random_tile": (elements.random_tiles, [VARCHAR, keys], BLOB),
+        "tra_pack_tile": (elements.pack_tiles, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(DOUBLE)],
+                          BLOB),
+    }
+    if name in fixed:
+        return fixed[name]
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)", name)
     if not match:
         raise ValueError(f"no tile UDF is named {name!r}")
     arity = int(match.group(2))
     if match.group(1):
         fields = {f"{what}{m}": typ for m in range(arity) for what, typ in (("keys", keys), ("tile", BLOB))}
-        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))]
-    return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity
+        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))], BLOB
+    return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity, BLOB
 
 
 def _with_arity(function, arity: int):
@@ -237,10 +246,10 @@ def _with_arity(function, arity: int):
 
 
 def register_kernels(con: duckdb.DuckDBPyConnection, names) -> None:
-    """Register the named tile UDFs (see the module docstring) on ``con``."""
+    """Register the named UDFs (see the module docstring and ``udfs.elements``) on ``con``."""
     for name in names:
-        function, params = _signature(name)
+        function, params, result = _signature(name)
         con.create_function(
-            name, _with_arity(function, len(params)), params, BLOB, type="arrow",
+            name, _with_arity(function, len(params)), params, result, type="arrow",
             null_handling="special", exception_handling="default",
         )

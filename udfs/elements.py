@@ -1,0 +1,119 @@
+"""Element-level tile functions for SQL users: decode tiles to lists, draw random tiles,
+pack element rows into tiles.
+
+- ``tra_tile_values(tile, dtype) -> DOUBLE[]`` and ``tra_tile_ints(tile, dtype) -> BIGINT[]``:
+  a tile's elements in C order;
+- ``tra_random_tile(meta, key) -> BLOB``: a random tile seeded with (seed, *key);
+- ``tra_pack_tile(meta, key, list(index), list(value)) -> BLOB``: a tile from its elements.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
+from tra_sql.udfs.register import tile_shapes
+
+from tra_sql.errors import CorruptTileError, DTypeError, ShapeError
+
+DTYPES = ("float32", "float64", "int32", "int64")
+
+
+def _dtype(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise DTypeError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return np.dtype(name)
+
+
+def _decode(tiles, dtypes, out: type) -> pa.Array:
+    """The elements of every tile as one list per row, converted to ``out``."""
+    data, offsets, valid = binary_views(tiles)
+    names = dtypes.combine_chunks() if isinstance(dtypes, pa.ChunkedArray) else dtypes
+    distinct = pc.unique(names)
+    if valid.all() and len(distinct) == 1 and distinct[0].is_valid:
+        dtype = _dtype(distinct[0].as_py())
+        lengths = np.diff(offsets)
+        if (lengths % dtype.itemsize).any():
+            raise CorruptTileError(f"a tile's byte size is not a multiple of {dtype} ({dtype.itemsize})")
+        values = data[offsets[0] : offsets[-1]].view(dtype).astype(out)
+        return pa.LargeListArray.from_arrays(pa.array((offsets - offsets[0]) // dtype.itemsize), values)
+    rows: list[np.ndarray | None] = []
+    for row, name in enumerate(names.to_pylist()):
+        if not valid[row] or name is None:
+            rows.append(None)
+            continue
+        dtype = _dtype(name)
+        raw = data[offsets[row] : offsets[row + 1]]
+        if raw.size % dtype.itemsize:
+            raise CorruptTileError(f"a tile of {raw.size} bytes is not a whole number of {dtype} elements")
+        rows.append(raw.view(dtype).astype(out))
+    return pa.array(rows, type=pa.large_list(pa.from_numpy_dtype(np.dtype(out))))
+
+
+def tile_values(tiles, dtypes) -> pa.Array:
+    """``tra_tile_values(tile BLOB, dtype VARCHAR) -> DOUBLE[]``: a tile's elements, C order."""
+    return _decode(tiles, dtypes, np.float64)
+
+
+def tile_ints(tiles, dtypes) -> pa.Array:
+    """``tra_tile_ints(tile BLOB, dtype VARCHAR) -> BIGINT[]``: exact for integer tensors."""
+    return _decode(tiles, dtypes, np.int64)
+
+
+def _geometry(meta: dict) -> tuple[str, np.dtype, np.ndarray, np.ndarray]:
+    """(name, dtype, full sizes, tile sizes) from a meta payload."""
+    return (meta["name"], np.dtype(meta["dtype"]), np.array(meta["shape"], dtype=np.int64),
+            np.array(meta["tile"], dtype=np.int64))
+
+
+def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A zeroed element buffer for one tile per row of ``shapes``, and element offsets."""
+    offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
+    np.cumsum(np.prod(shapes, axis=1, dtype=np.int64), out=offsets[1:])
+    return np.zeros(int(offsets[-1]), dtype=dtype), offsets
+
+
+def random_tiles(meta_col, keys_col) -> pa.Array:
+    """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
+    with (seed, *key), so a tile's values depend on the seed, the key and the tiling only."""
+    meta = json.loads(first_string(meta_col))
+    _, dtype, sizes, tiles = _geometry(meta)
+    keys = key_matrix(keys_col, len(sizes))
+    shapes = tile_shapes(keys, sizes, tiles)
+    buf, offsets = _tile_buffer(shapes, dtype)
+    for row, key in enumerate(keys):
+        rng = np.random.default_rng([meta["seed"], *key.tolist()])
+        shape = tuple(shapes[row])
+        draw = rng.standard_normal(shape) if meta["dist"] == "normal" else rng.random(shape)
+        buf[offsets[row] : offsets[row + 1]] = draw.ravel()
+    return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)
+
+
+def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
+    """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
+    elements; absent elements are zero and repeated indices add up."""
+    name, dtype, sizes, tiles = _geometry(json.loads(first_string(meta_col)))
+    rank = len(sizes)
+    keys = key_matrix(keys_col, rank)
+    starts, flat_index = list_views(index_col)
+    _, flat_values = list_views(values_col)
+    if flat_index.null_count or pc.list_flatten(flat_index).null_count:
+        raise ShapeError(f"{name}(): an element index is NULL")
+    index = key_matrix(flat_index, rank)
+    row = np.repeat(np.arange(len(keys)), np.diff(starts))
+    shapes = tile_shapes(keys, sizes, tiles)
+    local = index - keys[row] * tiles
+    bad = ((local < 0) | (local >= shapes[row])).any(axis=1)
+    if bad.any():
+        where = tuple(int(i) for i in index[int(np.argmax(bad))])
+        raise ShapeError(f"{name}(): element {where} is outside the shape {tuple(sizes.tolist())}")
+    strides = np.ones_like(shapes)
+    for d in range(rank - 2, -1, -1):
+        strides[:, d] = strides[:, d + 1] * shapes[:, d + 1]
+    buf, offsets = _tile_buffer(shapes, dtype)
+    values = flat_values.to_numpy(zero_copy_only=False).astype(dtype)
+    np.add.at(buf, offsets[row] + (local * strides[row]).sum(axis=1), values)
+    return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)
