@@ -48,3 +48,14 @@ def test_new_process_loads_kernel_from_disk_cache(tmp_path):
                                  text=True, check=True).stdout.split()
     assert run() == ["0", "1"]
     assert run() == ["1", "0"]
+
+
+def test_big_tiles_use_the_threaded_kernel_and_agree():
+    rng = np.random.default_rng(2)
+    x, b = rng.standard_normal((300, 400)), rng.standard_normal(400)
+    kernel = TileEinsum(("ij", "j"), "ij", "max(x0 + x1, 0.0)")
+    out = np.empty((300, 400))
+    kernel.init(out)
+    kernel.accumulate(out, [x, b])
+    np.testing.assert_allclose(out, np.maximum(x + b, 0))
+    assert "numba.prange" in kernel_source(("ab", "b"), "ab", "x0", "sum", parallel=True)

@@ -39,10 +39,10 @@ def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], st
     return tuple("".join(names[c] for c in s) for s in inputs), "".join(names[c] for c in output)
 
 
-def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str) -> str:
+def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False) -> str:
     """Python source of the loop kernel ``kernel(out, X0, ..., Xn)``; ``out`` holds the
     running aggregate (the caller initializes it), ``join_code`` is a scalar expression
-    over ``x0..xn``."""
+    over ``x0..xn``. ``parallel`` splits the outermost output loop over threads (prange)."""
     arrays = [f"X{m}" for m in range(len(inputs))]
     size_of: dict[str, str] = {}
     for m, sub in enumerate(inputs):
@@ -56,13 +56,14 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         "import numpy as np",
         "",
         "",
-        "@numba.njit(nogil=True, cache=True)",
+        f"@numba.njit(nogil=True, cache=True{', parallel=True' if parallel else ''})",
         f"def kernel(out, {', '.join(arrays)}):",
     ]
     lines += [f"    n_{ch} = {size}" for ch, size in size_of.items()]
     indent = "    "
-    for ch in output:
-        lines.append(f"{indent}for {var[ch]} in range(n_{ch}):")
+    for d, ch in enumerate(output):
+        loop = "numba.prange" if parallel and d == 0 else "range"
+        lines.append(f"{indent}for {var[ch]} in {loop}(n_{ch}):")
         indent += "    "
     out_ref = f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
     lines.append(f"{indent}acc = {out_ref}")
@@ -80,9 +81,9 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
 
 
 @cache
-def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str):
+def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False):
     """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation."""
-    source = kernel_source(inputs, output, join_code, agg)
+    source = kernel_source(inputs, output, join_code, agg, parallel)
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     module_name = f"tra_kernel_{digest}"
     path = cache_dir() / f"{module_name}.py"

@@ -9,6 +9,8 @@ from math import prod
 import numpy as np
 from tra_sql.udfs.codegen import canonical, loop_kernel
 
+PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
+
 
 def identity(agg: str, dtype: np.dtype):
     """The value an aggregate starts from."""
@@ -53,11 +55,12 @@ class TileEinsum:
         right = [c for c in b if c not in a]
         return batch, left, contracted, right
 
-    @cached_property
-    def _loop(self):
+    def _loop(self, out: np.ndarray):
+        """The Numba kernel; threaded (prange over the first output index) for big tiles."""
         code = self.join_code or " * ".join(f"x{m}" for m in range(len(self.inputs)))
         inputs, output = canonical(self.inputs, self.output)
-        return loop_kernel(inputs, output, code, self.agg)
+        parallel = out.ndim > 0 and out.shape[0] > 1 and out.size >= PARALLEL_ELEMENTS
+        return loop_kernel(inputs, output, code, self.agg, parallel)
 
     def init(self, out: np.ndarray) -> None:
         """Set ``out`` to the aggregate's identity."""
@@ -68,7 +71,7 @@ class TileEinsum:
         the identity, so a BLAS product may be written straight into it."""
         layout = self._matmul_layout
         if layout is None:
-            self._loop(out, *tiles)
+            self._loop(out)(out, *tiles)
             return
         a, b = tiles
         batch, left, contracted, right = layout
