@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import numpy as np
+
 from tra_sql.udfs.codegen import canonical, kernel_source
 from tra_sql.udfs.contract import TileEinsum
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import sqlglot
+
 from tra_sql.udfs.contract import TileEinsum
 
 

@@ -12,6 +12,8 @@ import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -80,16 +82,26 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     return "\n".join(lines) + "\n"
 
 
-@cache
+_compiling = threading.Lock()
+
+
 def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False):
-    """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation."""
+    """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation.
+    Thread-safe: DuckDB may call UDFs needing the same new kernel from several threads."""
+    with _compiling:
+        return _load(inputs, output, join_code, agg, parallel)
+
+
+@cache
+def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool):
     source = kernel_source(inputs, output, join_code, agg, parallel)
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     module_name = f"tra_kernel_{digest}"
     path = cache_dir() / f"{module_name}.py"
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
+    if not path.exists():  # write, then rename: other processes see a whole file or none
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
         os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)

@@ -7,6 +7,7 @@ from functools import cached_property
 from math import prod
 
 import numpy as np
+
 from tra_sql.udfs.codegen import canonical, loop_kernel
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
@@ -61,6 +62,12 @@ class TileEinsum:
         inputs, output = canonical(self.inputs, self.output)
         parallel = out.ndim > 0 and out.shape[0] > 1 and out.size >= PARALLEL_ELEMENTS
         return loop_kernel(inputs, output, code, self.agg, parallel)
+
+    def batched(self) -> TileEinsum:
+        """The same einsum with a leading batch index on every operand and the output."""
+        z = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
+                 if c not in "".join(self.inputs) + self.output)
+        return TileEinsum(tuple(z + sub for sub in self.inputs), z + self.output, self.join_code, self.agg)
 
     def init(self, out: np.ndarray) -> None:
         """Set ``out`` to the aggregate's identity."""

@@ -14,10 +14,10 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
-from tra_sql.udfs.register import tile_shapes
 
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError
+from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
+from tra_sql.udfs.register import tile_shapes
 
 DTYPES = ("float32", "float64", "int32", "int64")
 

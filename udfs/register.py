@@ -25,11 +25,14 @@ from functools import cached_property, lru_cache
 import duckdb
 import numpy as np
 from duckdb.sqltypes import BIGINT, BLOB, DOUBLE, INTEGER, VARCHAR
+
+from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
 
-from tra_sql.errors import CorruptTileError
+BATCH_ELEMENTS = 1 << 22  # the most partial-result elements a batched group step may hold
+REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 def tile_shapes(keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.ndarray:
@@ -46,21 +49,40 @@ class Operand:
     sizes: np.ndarray
     tiles: np.ndarray
 
-    def views(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> list[np.ndarray]:
-        """NumPy views of the tiles at ``rows``, checked against the catalog's geometry."""
+    def check(self, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """The shapes of the tiles at ``rows``; a tile whose bytes disagree with the catalog's
+        geometry raises ``CorruptTileError``."""
         shapes = tile_shapes(keys, self.sizes, self.tiles)
-        out = []
-        for row, key, shape in zip(rows, keys, shapes):
-            expected = int(np.prod(shape)) * self.dtype.itemsize
-            start, stop = offsets[row], offsets[row + 1]
-            if not valid[row] or stop - start != expected:
-                held = "is NULL" if not valid[row] else f"holds {stop - start} bytes"
-                raise CorruptTileError(
-                    f"tile {tuple(int(k) for k in key)} of tensor '{self.name}' {held}; its "
-                    f"shape {tuple(int(s) for s in shape)} and dtype {self.dtype} need {expected}"
-                )
-            out.append(data[start:stop].view(self.dtype).reshape(shape))
-        return out
+        expected = np.prod(shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
+        held = offsets[rows + 1] - offsets[rows]
+        bad = ~valid[rows] | (held != expected)
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = "is NULL" if not valid[rows[i]] else f"holds {held[i]} bytes"
+            raise CorruptTileError(
+                f"tile {tuple(int(k) for k in keys[i])} of tensor '{self.name}' {what}; its shape "
+                f"{tuple(int(n) for n in shapes[i])} and dtype {self.dtype} need {expected[i]}"
+            )
+        return shapes
+
+    def views(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> list[np.ndarray]:
+        """Zero-copy NumPy views of the tiles at ``rows``."""
+        shapes = self.check(offsets, valid, rows, keys)
+        return [data[offsets[r] : offsets[r + 1]].view(self.dtype).reshape(shape) for r, shape in zip(rows, shapes)]
+
+    def stacked(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+        """The tiles at ``rows`` as one ``(len(rows), *shape)`` array when they all have one
+        shape (a view when they lie back to back in the Arrow buffer), else ``None``."""
+        shapes = self.check(offsets, valid, rows, keys)
+        if not len(rows) or (shapes != shapes[0]).any():
+            return None
+        nbytes = int(np.prod(shapes[0])) * self.dtype.itemsize
+        starts = offsets[rows]
+        if (np.diff(starts) == nbytes).all():
+            flat = data[starts[0] : starts[0] + nbytes * len(rows)]
+        else:
+            flat = data[starts[:, None] + np.arange(nbytes)]
+        return flat.view(self.dtype).reshape(len(rows), *shapes[0])
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,11 @@ class StepMeta:
         code = join_code(self.join, len(self.inputs)) if self.join else None
         return TileEinsum(self.inputs, self.output, code, self.agg)
 
+    @cached_property
+    def batched(self) -> TileEinsum:
+        """The kernel over a leading batch index: one call for a stack of tile sets."""
+        return self.kernel.batched()
+
     @staticmethod
     def _vec(table: dict[str, int], sub: str) -> np.ndarray:
         return np.array([table[c] for c in sub], dtype=np.int64)
@@ -121,16 +148,35 @@ def _out_view(buf, offsets, row, shape, dtype) -> np.ndarray:
     return buf[offsets[row] : offsets[row + 1]].view(dtype).reshape(shape)
 
 
+def _operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool):
+    """Per operand, its tiles at ``elements``: stacked into one array when ``stack`` and
+    every operand's tiles share a shape, else lists of views. Returns (tiles, stacked?)."""
+    sources = [(binary_views(columns[2 * m + 1]), key_matrix(columns[2 * m], len(sub)))
+               for m, sub in enumerate(meta.inputs)]
+    if stack:
+        stacked = [op.stacked(*views, elements, keys) for op, (views, keys) in zip(meta.operands, sources)]
+        if all(t is not None for t in stacked):
+            return stacked, True
+    return [op.views(*views, elements, keys) for op, (views, keys) in zip(meta.operands, sources)], False
+
+
+def _uniform(shapes: np.ndarray) -> bool:
+    return len(shapes) > 0 and bool((shapes == shapes[0]).all())
+
+
 def einsum_rows(meta_col, out_keys_col, *operand_cols):
-    """``tra_einsum_<n>``: one output tile per joined row."""
+    """``tra_einsum_<n>``: one output tile per joined row. When all tiles of an operand (and
+    of the output) share a shape, the whole batch is one kernel call over stacked tiles."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
     buf, offsets, shapes = _allocate(meta.result, out_keys)
     rows = np.arange(len(out_keys))
-    tiles = [
-        op.views(*binary_views(operand_cols[2 * m + 1]), rows, key_matrix(operand_cols[2 * m], len(sub)))
-        for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs))
-    ]
+    tiles, stacked = _operand_tiles(meta, operand_cols, rows, _uniform(shapes))
+    if stacked:
+        out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
+        meta.batched.init(out)
+        meta.batched.accumulate(out, tiles, scratch=False)
+        return binary_array(buf, offsets)
     kernel = meta.kernel
     for row in rows:
         out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
@@ -140,17 +186,23 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
 
 
 def einsum_groups(meta_col, out_keys_col, rows_col):
-    """``tra_einsum_agg_<n>``: one output tile per group of joined rows."""
+    """``tra_einsum_agg_<n>``: one output tile per group of joined rows. Batches of small
+    uniform tiles are computed in one kernel call and reduced per group (``ufunc.reduceat``)."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
     buf, offsets, shapes = _allocate(meta.result, out_keys)
     group_offsets, rows = list_views(rows_col)
-    columns = rows.flatten()
     elements = np.arange(len(rows))
-    tiles = [
-        op.views(*binary_views(columns[2 * m + 1]), elements, key_matrix(columns[2 * m], len(sub)))
-        for m, (op, sub) in enumerate(zip(meta.operands, meta.inputs))
-    ]
+    sizes = np.diff(group_offsets)
+    small = _uniform(shapes) and len(rows) * int(np.prod(shapes[0])) <= BATCH_ELEMENTS and (sizes > 0).all()
+    tiles, stacked = _operand_tiles(meta, rows.flatten(), elements, small)
+    if stacked:
+        partial = np.empty((len(rows), *shapes[0]), dtype=meta.result.dtype)
+        meta.batched.init(partial)
+        meta.batched.accumulate(partial, tiles, scratch=False)
+        out = buf.view(meta.result.dtype).reshape(len(out_keys), *shapes[0])
+        REDUCE[meta.agg].reduceat(partial, group_offsets[:-1], axis=0, out=out)
+        return binary_array(buf, offsets)
     kernel = meta.kernel
     for row in range(len(out_keys)):
         out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
@@ -158,6 +210,20 @@ def einsum_groups(meta_col, out_keys_col, rows_col):
         for n, element in enumerate(range(group_offsets[row], group_offsets[row + 1])):
             kernel.accumulate(out, [t[element] for t in tiles], scratch=n > 0)
     return binary_array(buf, offsets)
+
+
+def _check_pieces(names, dtypes, parts, origins, extents, offsets, valid) -> None:
+    """Every piece's bytes must match its shape and its source's dtype."""
+    itemsize = np.array([d.itemsize for d in dtypes], dtype=np.int64)[parts]
+    expected = np.prod(extents, axis=1, dtype=np.int64) * itemsize
+    held = np.diff(offsets)
+    bad = ~valid | (held != expected)
+    if bad.any():
+        i = int(np.argmax(bad))
+        what = "is NULL" if not valid[i] else f"holds {held[i]} bytes"
+        raise CorruptTileError(
+            f"the tile of tensor '{names[parts[i]]}' at element {tuple(int(o) for o in origins[i])} {what}; "
+            f"its shape {tuple(int(n) for n in extents[i])} and dtype {dtypes[parts[i]]} need {expected[i]}")
 
 
 def place(meta_col, out_keys_col, pieces_col):
@@ -174,6 +240,7 @@ def place(meta_col, out_keys_col, pieces_col):
     parts = part_col.to_numpy(zero_copy_only=False)
     data, data_offsets, valid = binary_views(tile_col)
     dtypes = [np.dtype(d) for d in m["dtypes"]]
+    _check_pieces(m["names"], dtypes, parts, origins, extents, data_offsets, valid)
     flat_tile = int(tile[0] * np.prod(shape[1:])) if len(shape) else 1
     for row in range(len(out_keys)):
         out = _out_view(buf, offsets, row, shapes[row], target.dtype)
@@ -183,8 +250,7 @@ def place(meta_col, out_keys_col, pieces_col):
         else:
             origin = out_keys[row] * tile
         for e in range(starts[row], starts[row + 1]):
-            source = Operand(m["names"][parts[e]], dtypes[parts[e]], extents[e], extents[e])
-            piece = source.views(data, data_offsets, valid, [e], np.zeros((1, rank), np.int64))[0]
+            piece = data[data_offsets[e] : data_offsets[e + 1]].view(dtypes[parts[e]]).reshape(extents[e])
             lo = np.maximum(origin, origins[e])
             hi = np.minimum(origin + out.shape, origins[e] + extents[e])
             if np.any(hi <= lo):
@@ -211,7 +277,7 @@ def fill(meta_col, out_keys_col):
 
 def _signature(name: str):
     """(Python function, parameter types, result type) of a UDF name."""
-    from tra_sql.udfs import elements
+    from tra_sql.udfs import elements, pack
 
     keys = duckdb.list_type(BIGINT)
     fixed = {
@@ -223,6 +289,8 @@ def _signature(name: str):
         "tra_random_tile": (elements.random_tiles, [VARCHAR, keys], BLOB),
         "tra_pack_tile": (elements.pack_tiles, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(DOUBLE)],
                           BLOB),
+        "tra_pack": (pack.pack, [DOUBLE], BLOB),
+        "tra_pack_f32": (pack.pack_f32, [DOUBLE], BLOB),
     }
     if name in fixed:
         return fixed[name]
