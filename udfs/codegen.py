@@ -25,12 +25,21 @@ AGG_UPDATE = {
 }
 
 
+@cache
 def cache_dir() -> Path:
-    """Where generated kernel modules (and Numba's cache beside them) live."""
-    root = os.environ.get("TRA_SQL_CACHE_DIR") or Path.home() / ".cache" / "tra_sql"
-    path = Path(root) / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where generated kernel modules (and Numba's cache beside them) live:
+    ``$TRA_SQL_CACHE_DIR``, else ``~/.cache/tra_sql``, else the temp directory."""
+    candidates = [os.environ.get("TRA_SQL_CACHE_DIR"), Path.home() / ".cache" / "tra_sql",
+                  Path(tempfile.gettempdir()) / f"tra_sql-{os.getuid()}"]
+    for root in filter(None, candidates):
+        path = Path(root) / "kernels"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise OSError("no writable directory for the kernel cache; set TRA_SQL_CACHE_DIR")
 
 
 def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], str]:
