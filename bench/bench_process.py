@@ -1,0 +1,87 @@
+"""Per-process costs, each measured in a fresh Python process:
+
+- the first einsum in a new process, with a cold and with a warm Numba kernel cache
+  (the difference is the JIT cost; warm is what users see after the first run);
+- peak resident memory (RSS) of a 4096² float32 matmul through tra_sql against numpy's.
+
+    python bench/bench_process.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+FIRST_EINSUM = textwrap.dedent("""
+    import json, sys, time
+    start = time.perf_counter()
+    import numpy as np, tra_sql
+    imported = time.perf_counter()
+    db = tra_sql.connect()
+    x = db.from_numpy("x", np.arange(12.0).reshape(3, 4), tile=(2, 2))
+    if sys.argv[1] == "contraction":
+        y = db.einsum("ij,kj->ik", x, x).numpy()
+    else:
+        y = db.einsum("ij,ij->i", x, x, join="exp(x0) * x1", agg="max").numpy()
+    end = time.perf_counter()
+    print(json.dumps({"import": imported - start, "first_einsum": end - imported, "total": end - start}))
+""")
+
+PEAK_RSS = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    n = 4096
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).random((n, n), dtype=np.float32)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.argv[1] == "numpy":
+        c = a @ b
+    else:
+        import tra_sql
+        db = tra_sql.connect()
+        A = db.from_numpy("A", a, tile=n)
+        B = db.from_numpy("B", b, tile=n)
+        del a, b
+        c = db.einsum("ij,jk->ik", A, B).numpy()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": peak / 1024, "inputs_mb": 2 * n * n * 4 / 2**20, "before_mb": base / 1024}))
+""")
+
+
+def run(script: str, *args: str, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    import os
+
+    print(f"machine: {machine()}\n")
+    print("| first einsum in a new process | import s | first einsum s | total s |")
+    print("|---|---|---|---|")
+    for kind, label in (("contraction", "`ij,kj->ik` (BLAS kernel)"),
+                        ("extended", "`ij,ij->i`, join `exp(x0) * x1`, agg max (Numba kernel)")):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TRA_SQL_CACHE_DIR=cache)
+            cold = run(FIRST_EINSUM, kind, env=env)
+            warm = run(FIRST_EINSUM, kind, env=env)
+        for cache_state, r in (("cold cache, includes JIT", cold), ("warm cache", warm)):
+            print(f"| {label}, {cache_state} | {r['import']:.2f} | {r['first_einsum']:.2f} | {r['total']:.2f} |")
+    print()
+    numpy_rss, tra_rss = run(PEAK_RSS, "numpy"), run(PEAK_RSS, "tra_sql")
+    print("| 4096² float32 matmul | peak RSS MB | ratio to numpy |")
+    print("|---|---|---|")
+    print(f"| numpy `a @ b` | {numpy_rss['peak_mb']:.0f} | 1.00 |")
+    print(f"| tra_sql `einsum('ij,jk->ik')`, one tile | {tra_rss['peak_mb']:.0f} | "
+          f"{tra_rss['peak_mb'] / numpy_rss['peak_mb']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
