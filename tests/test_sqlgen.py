@@ -2,7 +2,10 @@
 
 import numpy as np
 import sqlglot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import tra_sql
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -79,3 +82,27 @@ def test_identical_subprograms_are_merged(db):
     total = db.einsum("ij,ij->ij", left, right, join="x0 + x1")
     assert flat(total).count("TRA_EINSUM_AGG_2(") == 1
     np.testing.assert_allclose(total.numpy(), np.eye(3) * 8)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 7), st.integers(1, 7), st.integers(1, 7), st.data())
+def test_elementwise_epilogue_is_fused_into_the_contraction(b, i, h, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    x, w, bias = rng.standard_normal((b, i)), rng.standard_normal((i, h)), rng.standard_normal(h)
+    tile = lambda *dims: tuple(data.draw(st.integers(1, n)) for n in dims)
+    with tra_sql.connect() as db:
+        X, W, B = db.from_numpy("X", x, tile=tile(b, i)), db.from_numpy("W", w, tile=tile(i, h)), \
+            db.from_numpy("B", bias, tile=tile(h))
+        H = db.einsum("bh,h->bh", db.einsum("bi,ih->bh", X, W), B, join="greatest(x0 + x1, 0)")
+        sql = flat(H)
+        if H.tile[1] == W.tile[1]:  # no re-tiling between the steps: one fused step
+            assert sql.count("TRA_EINSUM") == 1 and '"epilogue"' in sql
+        np.testing.assert_allclose(H.numpy(), np.maximum(x @ w + bias, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_shared_contraction_is_not_fused(db):
+    A = db.from_numpy("A", np.eye(3) * 2, tile=(2, 2))
+    S = db.einsum("ij,jk->ik", A, A)
+    T = db.einsum("ij,ij->ij", db.einsum("ij->ij", S, join="x0 + 1"), S, join="x0 * x1")
+    assert '"epilogue"' not in flat(T)
+    np.testing.assert_allclose(T.numpy(), (np.eye(3) * 4 + 1) * np.eye(3) * 4)

@@ -16,6 +16,7 @@ Everything is built as sqlglot expressions; ``Program.sql()`` renders a dialect.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,8 +55,27 @@ def _select_keys(keys: list[exp.Expression], tile: exp.Expression) -> list[exp.E
     return [exp.alias_(k.copy(), key(d)) for d, k in enumerate(keys)] + [exp.alias_(tile, "tile")]
 
 
-def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.Select, str]:
-    """The SELECT computing ``node`` from the relations ``refs``, and the UDF it calls."""
+@dataclass(frozen=True)
+class Epilogue:
+    """An element-wise einsum fused into the contraction that produces its operand
+    ``position``: the kernel applies its join to each contracted tile before returning it."""
+
+    node: Einsum
+    position: int
+    refs: list[str]
+    names: list[str]
+
+    def meta(self) -> dict:
+        node = self.node
+        return {"inputs": list(node.spec.inputs), "output": node.spec.output, "position": self.position,
+                "sizes": node.sizes, "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
+                "out_dtype": node.dtype.name, "names": self.names, "join": node.join, "agg": node.agg}
+
+
+def einsum_select(node: Einsum, refs: list[str], names: list[str],
+                  epilogue: Epilogue | None = None) -> tuple[exp.Select, str]:
+    """The SELECT computing ``node`` (then ``epilogue``, if any) from the relations ``refs``,
+    and the UDF it calls."""
     spec = node.spec
     aliases = [f"x{m}" for m in range(len(refs))]
     first: dict[str, exp.Column] = {}
@@ -76,12 +96,13 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.
             joins.append((_table(refs[m], alias), on))
     out_keys = [first[c] for c in spec.output]
     split = [first[c] for c in spec.aggregated if node.tiles[c] < node.sizes[c]]
-    meta = _meta({
+    meta = {
         "inputs": list(spec.inputs), "output": spec.output, "sizes": node.sizes,
         "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
         "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
-    })
-    args: list[exp.Expression] = [meta, _array([k.copy() for k in out_keys])]
+    }
+    args: list[exp.Expression] = [_meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {})),
+                                  _array([k.copy() for k in out_keys])]
     fields: list[exp.Expression] = []
     for m, (sub, alias) in enumerate(zip(spec.inputs, aliases)):
         keys = _array([exp.column(key(d), alias) for d in range(len(sub))])
@@ -90,7 +111,21 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.
         args.append(_list_of_structs(fields))
     else:
         args += [f.expression for f in fields]
-    udf = f"tra_einsum_{'agg_' if split else ''}{len(refs)}"
+    extra = 0
+    if epilogue:
+        position_of = {c: i for i, c in enumerate(epilogue.node.spec.output)}
+        for j, (sub, ref) in enumerate(zip(epilogue.node.spec.inputs, epilogue.refs)):
+            if j == epilogue.position:
+                continue
+            alias = f"y{j}"
+            cols = [exp.column(key(d), alias) for d in range(len(sub))]
+            joins.append((_table(ref, alias), [exp.EQ(this=col, expression=out_keys[position_of[c]].copy())
+                                               for col, c in zip(cols, sub)]))
+            keys, tile = _array([c.copy() for c in cols]), exp.column("tile", alias)
+            args += [exp.AnyValue(this=keys), exp.AnyValue(this=tile)] if split else [keys, tile]
+            extra += 1
+    udf = (f"tra_einsum_agg_{len(refs)}" + (f"_{extra}" if extra else "")) if split \
+        else f"tra_einsum_{len(refs) + extra}"
     select = exp.select(*_select_keys(out_keys, exp.Anonymous(this=udf, expressions=args)))
     select = select.from_(_table(refs[0], aliases[0]))
     for table, on in joins:
@@ -100,6 +135,19 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str]) -> tuple[exp.
     if split:
         select = select.group_by(*[k.copy() for k in out_keys]) if out_keys else select
     return select, udf
+
+
+def fusable(node: Node, consumers: Counter) -> int | None:
+    """The operand of ``node`` that can absorb ``node`` as an epilogue: ``node`` is an
+    element-wise einsum (custom join, nothing aggregated) over a plain contraction that only
+    it consumes, laid out exactly as ``node``'s output (so tiles correspond one to one)."""
+    if not isinstance(node, Einsum) or node.join is None or node.spec.aggregated:
+        return None
+    for p, (op, sub) in enumerate(zip(node.operands, node.spec.inputs)):
+        if (isinstance(op, Einsum) and op.join is None and op.agg == "sum" and consumers[id(op)] == 1
+                and sub == node.spec.output and op.tile == node.tile):
+            return p
+    return None
 
 
 def _num(value: int) -> exp.Literal:
@@ -214,21 +262,41 @@ class Program:
 
     @classmethod
     def compile(cls, root: Node) -> Program:
+        """Compile the DAG under ``root``; element-wise einsums over a contraction are fused
+        into it (see ``fusable``)."""
         program = cls(root)
-        for node in topological(root):
-            program._add(node)
+        order = topological(root)
+        consumers = Counter(id(child) for node in order for child in node.inputs)
+        fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None}
+        absorbed = {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
+        for node in order:
+            if id(node) not in absorbed:
+                program._add(node, fused.get(id(node)))
         return program
 
-    def _add(self, node: Node) -> None:
+    def _labels(self, nodes) -> tuple[list[str], list[str]]:
+        refs = [self.refs[id(child)] for child in nodes]
+        return refs, [child.table if isinstance(child, Source) else r for child, r in zip(nodes, refs)]
+
+    def _add(self, node: Node, epilogue_of: int | None = None) -> None:
         if isinstance(node, Source):
             self.refs[id(node)] = node.table
             return
         name = f"_t{len(self.ctes) + 1}"
-        refs = [self.refs[id(child)] for child in node.inputs]
-        labels = [child.table if isinstance(child, Source) else r for child, r in zip(node.inputs, refs)]
-        if isinstance(node, Einsum):
+        if epilogue_of is not None:
+            inner = node.inputs[epilogue_of]
+            outer_refs, outer_labels = self._labels(
+                [child for i, child in enumerate(node.inputs) if i != epilogue_of])
+            outer_refs.insert(epilogue_of, "")  # the contraction's own result
+            outer_labels.insert(epilogue_of, "")
+            refs, labels = self._labels(inner.inputs)
+            select, udf = einsum_select(inner, refs, labels, Epilogue(node, epilogue_of, outer_refs, outer_labels))
+            self.refs[id(inner)] = name
+        elif isinstance(node, Einsum):
+            refs, labels = self._labels(node.inputs)
             select, udf = einsum_select(node, refs, labels)
         elif isinstance(node, Place):
+            refs, labels = self._labels(node.inputs)
             select, udf = place_select(node, refs, labels), "tra_place"
         elif isinstance(node, Fill):
             select, udf = fill_select(node), "tra_fill"

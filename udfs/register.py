@@ -9,6 +9,9 @@ serves every einsum of its arity:
 - ``tra_einsum_agg_<n>(meta, out_keys, list({keys0, tile0, ..., keys<n-1>, tile<n-1>}))``:
   one output tile per group, aggregating the group's joined rows inside the kernel (fused
   join + aggregate);
+- with an epilogue (an element-wise einsum fused into the step, ``meta["epilogue"]``), its
+  other operands follow as (keys, tile) pairs: ``tra_einsum_<n+k>`` and
+  ``tra_einsum_agg_<n>_<k>(..., keys, tile, ...)`` (one value per group);
 - ``tra_place(meta, out_keys, list({origin, shape, part, tile}))``: one output tile of a
   re-tiling, slice, concatenation or reshape, assembled from the source pieces that overlap
   it (origins in output element coordinates; row-major flat ones for a reshape);
@@ -24,6 +27,7 @@ from functools import cached_property, lru_cache
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 from duckdb.sqltypes import BIGINT, BLOB, DOUBLE, INTEGER, VARCHAR
 
 from tra_sql.errors import CorruptTileError
@@ -98,15 +102,27 @@ class StepMeta:
     names: tuple[str, ...]
     join: str | None
     agg: str
+    epilogue: StepMeta | None = None  # an element-wise einsum applied to the result
+    position: int = 0  # where the result enters the epilogue's operands
 
     @staticmethod
     @lru_cache(maxsize=256)
     def parse(text: str) -> StepMeta:
-        m = json.loads(text)
+        return StepMeta.from_dict(json.loads(text))
+
+    @staticmethod
+    def from_dict(m: dict) -> StepMeta:
+        epilogue = StepMeta.from_dict(m["epilogue"]) if m.get("epilogue") else None
         return StepMeta(
             tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
             m["out_dtype"], tuple(m["names"]), m.get("join"), m.get("agg", "sum"),
+            epilogue, m.get("position", 0),
         )
+
+    @property
+    def others(self) -> list[int]:
+        """The operands other than the one at ``position`` (an epilogue's own inputs)."""
+        return [m for m in range(len(self.inputs)) if m != self.position]
 
     @cached_property
     def operands(self) -> list[Operand]:
@@ -148,16 +164,45 @@ def _out_view(buf, offsets, row, shape, dtype) -> np.ndarray:
     return buf[offsets[row] : offsets[row + 1]].view(dtype).reshape(shape)
 
 
-def _operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool):
-    """Per operand, its tiles at ``elements``: stacked into one array when ``stack`` and
-    every operand's tiles share a shape, else lists of views. Returns (tiles, stacked?)."""
-    sources = [(binary_views(columns[2 * m + 1]), key_matrix(columns[2 * m], len(sub)))
-               for m, sub in enumerate(meta.inputs)]
+def _operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool, which: list[int] | None = None):
+    """Tiles at ``elements`` of the operands ``which`` (default: all), read from (keys, tile)
+    column pairs: stacked into one array per operand when ``stack`` and each operand's tiles
+    share a shape, else lists of views. Returns (tiles, stacked?)."""
+    which = list(range(len(meta.inputs))) if which is None else which
+    operands = [meta.operands[m] for m in which]
+    sources = [(binary_views(columns[2 * i + 1]), key_matrix(columns[2 * i], len(meta.inputs[m])))
+               for i, m in enumerate(which)]
     if stack:
-        stacked = [op.stacked(*views, elements, keys) for op, (views, keys) in zip(meta.operands, sources)]
+        stacked = [op.stacked(*views, elements, keys) for op, (views, keys) in zip(operands, sources)]
         if all(t is not None for t in stacked):
             return stacked, True
-    return [op.views(*views, elements, keys) for op, (views, keys) in zip(meta.operands, sources)], False
+    return [op.views(*views, elements, keys) for op, (views, keys) in zip(operands, sources)], False
+
+
+def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns) -> pa.Array:
+    """The UDF's result: the computed tiles, or, with an epilogue, the epilogue's join
+    applied to each of them and to its other operands' tiles (``columns``)."""
+    epilogue = meta.epilogue
+    if epilogue is None:
+        return binary_array(buf, offsets)
+    out_buf, out_offsets, _ = _allocate(epilogue.result, out_keys)
+    rows = np.arange(len(out_keys))
+    others, stacked = _operand_tiles(epilogue, columns, rows, _uniform(shapes), epilogue.others)
+    if stacked:
+        tiles = others[: epilogue.position] + [buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])] \
+            + others[epilogue.position :]
+        out = out_buf.view(epilogue.result.dtype).reshape(len(rows), *shapes[0])
+        epilogue.batched.init(out)
+        epilogue.batched.accumulate(out, tiles, scratch=False)
+        return binary_array(out_buf, out_offsets)
+    for row in rows:
+        inner = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+        tiles = [t[row] for t in others]
+        tiles.insert(epilogue.position, inner)
+        out = _out_view(out_buf, out_offsets, row, shapes[row], epilogue.result.dtype)
+        epilogue.kernel.init(out)
+        epilogue.kernel.accumulate(out, tiles, scratch=False)
+    return binary_array(out_buf, out_offsets)
 
 
 def _uniform(shapes: np.ndarray) -> bool:
@@ -171,21 +216,21 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     out_keys = key_matrix(out_keys_col, len(meta.output))
     buf, offsets, shapes = _allocate(meta.result, out_keys)
     rows = np.arange(len(out_keys))
-    tiles, stacked = _operand_tiles(meta, operand_cols, rows, _uniform(shapes))
+    own = 2 * len(meta.inputs)
+    tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes))
     if stacked:
         out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
         meta.batched.init(out)
         meta.batched.accumulate(out, tiles, scratch=False)
-        return binary_array(buf, offsets)
-    kernel = meta.kernel
-    for row in rows:
-        out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
-        kernel.init(out)
-        kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
-    return binary_array(buf, offsets)
+    else:
+        for row in rows:
+            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+            meta.kernel.init(out)
+            meta.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+    return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
 
 
-def einsum_groups(meta_col, out_keys_col, rows_col):
+def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     """``tra_einsum_agg_<n>``: one output tile per group of joined rows. Batches of small
     uniform tiles are computed in one kernel call and reduced per group (``ufunc.reduceat``)."""
     meta = StepMeta.parse(first_string(meta_col))
@@ -202,14 +247,13 @@ def einsum_groups(meta_col, out_keys_col, rows_col):
         meta.batched.accumulate(partial, tiles, scratch=False)
         out = buf.view(meta.result.dtype).reshape(len(out_keys), *shapes[0])
         REDUCE[meta.agg].reduceat(partial, group_offsets[:-1], axis=0, out=out)
-        return binary_array(buf, offsets)
-    kernel = meta.kernel
-    for row in range(len(out_keys)):
-        out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
-        kernel.init(out)
-        for n, element in enumerate(range(group_offsets[row], group_offsets[row + 1])):
-            kernel.accumulate(out, [t[element] for t in tiles], scratch=n > 0)
-    return binary_array(buf, offsets)
+    else:
+        for row in range(len(out_keys)):
+            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+            meta.kernel.init(out)
+            for n, element in enumerate(range(group_offsets[row], group_offsets[row + 1])):
+                meta.kernel.accumulate(out, [t[element] for t in tiles], scratch=n > 0)
+    return _finish(meta, out_keys, buf, offsets, shapes, epilogue_cols)
 
 
 def _check_pieces(names, dtypes, parts, origins, extents, offsets, valid) -> None:
@@ -294,13 +338,15 @@ def _signature(name: str):
     }
     if name in fixed:
         return fixed[name]
-    match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)", name)
-    if not match:
+    match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)(?:_(\d+))?", name)
+    if not match or (match.group(3) and not match.group(1)):
         raise ValueError(f"no tile UDF is named {name!r}")
     arity = int(match.group(2))
-    if match.group(1):
+    if match.group(1):  # with k epilogue operands: k (keys, tile) pairs after the list
         fields = {f"{what}{m}": typ for m in range(arity) for what, typ in (("keys", keys), ("tile", BLOB))}
-        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))], BLOB
+        extra = int(match.group(3) or 0)
+        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))] + [keys, BLOB] * extra, \
+            BLOB
     return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity, BLOB
 
 
