@@ -131,27 +131,45 @@ def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
 
 
 def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
-    """Lay the tiles of a tile relation into one array; absent tiles are zeros."""
+    """Lay the tiles of a tile relation into one array; absent tiles are zeros. Tiles are
+    checked against the catalog's geometry; full-size tiles are placed in one vectorized
+    step, ragged boundary tiles one by one."""
     out = np.zeros(info.shape, dtype=info.dtype)
     if tiles.num_rows == 0:
         return out
     rank = len(info.shape)
-    keys = np.stack([tiles.column(f"k{d}").to_numpy() for d in range(rank)], axis=1) if rank else \
-        np.zeros((tiles.num_rows, 0), dtype=np.int64)
+    keys = np.stack([tiles.column(f"k{d}").to_numpy() for d in range(rank)], axis=1).astype(np.int64) if rank \
+        else np.zeros((tiles.num_rows, 0), dtype=np.int64)
+    outside = ((keys < 0) | (keys >= np.array(info.grid, dtype=np.int64))).any(axis=1)
+    if outside.any():
+        key = tuple(int(k) for k in keys[int(np.argmax(outside))])
+        raise CorruptTileError(f"tensor '{info.name}' has a tile at key {key} outside its grid {info.grid}")
     blobs = tiles.column("tile").combine_chunks()
-    for key, blob in zip(keys, blobs):
-        if any(k < 0 or k >= g for k, g in zip(key, info.grid)):
-            raise CorruptTileError(f"tensor '{info.name}' has a tile at key {tuple(key)} outside "
-                                   f"its grid {info.grid}")
-        shape = info.tile_shape(key)
-        raw = blob.as_buffer()
-        expected = prod(shape) * info.dtype.itemsize
-        if raw is None or raw.size != expected:
-            held = "is NULL" if raw is None else f"holds {raw.size} bytes"
-            raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{info.name}' "
-                                   f"{held}; shape {shape} and dtype {info.dtype} need {expected}")
+    _, offsets_buf, data_buf = blobs.buffers()
+    offset_type = np.int64 if pa.types.is_large_binary(blobs.type) else np.int32
+    offsets = np.frombuffer(offsets_buf, offset_type)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
+    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.empty(0, np.uint8)
+    tile = np.array(info.tile, dtype=np.int64)
+    shapes = np.minimum(tile, np.array(info.shape, dtype=np.int64) - keys * tile)
+    expected = np.prod(shapes, axis=1, dtype=np.int64) * info.dtype.itemsize
+    valid = blobs.is_valid().to_numpy(zero_copy_only=False)
+    bad = ~valid | (np.diff(offsets) != expected)
+    if bad.any():
+        i = int(np.argmax(bad))
+        held = "is NULL" if not valid[i] else f"holds {offsets[i + 1] - offsets[i]} bytes"
+        raise CorruptTileError(f"tile {tuple(int(k) for k in keys[i])} of tensor '{info.name}' {held}; shape "
+                               f"{tuple(int(n) for n in shapes[i])} and dtype {info.dtype} need {expected[i]}")
+    full = (shapes == tile).all(axis=1)
+    if rank and full.all() and all(n % t == 0 for n, t in zip(info.shape, info.tile)):
+        grid = [n // t for n, t in zip(info.shape, info.tile)]
+        blocked = out.reshape([x for g, t in zip(grid, info.tile) for x in (g, t)])
+        blocked = blocked.transpose(list(range(0, 2 * rank, 2)) + list(range(1, 2 * rank, 2)))
+        stacked = data[offsets[0] : offsets[-1]].view(info.dtype).reshape(len(keys), *info.tile)
+        blocked[tuple(keys.T)] = stacked
+        return out
+    for i, (key, shape) in enumerate(zip(keys, shapes)):
         region = tuple(slice(k * t, k * t + s) for k, t, s in zip(key, info.tile, shape))
-        out[region] = np.frombuffer(raw, dtype=info.dtype).reshape(shape)
+        out[region] = data[offsets[i] : offsets[i + 1]].view(info.dtype).reshape(shape)
     return out
 
 
