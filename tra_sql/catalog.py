@@ -201,7 +201,9 @@ def drop_tensor(con: duckdb.DuckDBPyConnection, name: str) -> None:
     name = lookup(con, name).name
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
-        con.execute(f'DROP TABLE IF EXISTS "{name}"').fetchall()
+        kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = ? "
+                           "AND table_schema = current_schema()", [name]).fetchall()
+        con.execute(f'DROP {"VIEW" if kind and kind[0][0] == "VIEW" else "TABLE"} IF EXISTS "{name}"').fetchall()
         con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [name]).fetchall()
         con.execute("COMMIT").fetchall()
     except BaseException:

@@ -19,8 +19,20 @@ UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+
 
 
 def connect(database: str = ":memory:", *, threads: int | None = None,
-            memory_limit: str | None = None, read_only: bool = False) -> Session:
-    """Open (or create) a tra_sql database; ``:memory:`` by default."""
+            memory_limit: str | None = None, read_only: bool = False, engine: str = "duckdb",
+            **engine_options) -> Session:
+    """Open (or create) a tra_sql database; ``:memory:`` by default.
+
+    ``engine="spark"`` runs on Spark SQL instead: ``database`` is then the warehouse
+    directory, and ``engine_options`` go to ``tra_sql.backends.spark.connect`` (``master=``,
+    ``executor_memory=``, ``config=``, ...)."""
+    if engine != "duckdb":
+        if engine != "spark":
+            raise TraError(f"engine={engine!r}: use 'duckdb' or 'spark'")
+        from tra_sql.backends import spark
+        return spark.connect(database, **engine_options)
+    if engine_options:
+        raise TraError(f"options {sorted(engine_options)} are for engine='spark'")
     config = {}
     if threads is not None:
         config["threads"] = threads
@@ -51,6 +63,7 @@ class Session:
         self._udfs: set[str] = set()
         if not read_only:
             catalog.ensure_catalog(con)
+        self.ensure_udfs(("tra_pack", "tra_pack_f32", "tra_pack_tile"))  # relation views call them
 
     def close(self) -> None:
         self.con.close()
@@ -206,6 +219,20 @@ class Session:
             raise translate(err, f"storing '{name}'") from None
         return self.tensor(name)
 
+    # -- planning (see tra_sql.decompose) -----------------------------------------------
+    def plan(self, tensor: Tensor, workers: int | None = None, memory=None):
+        """EinDecomp: the tiling of every index of ``tensor``'s program for ``workers`` workers
+        (default: DuckDB's threads) with ``memory`` each (``"2GB"``; default: memory_limit /
+        workers). Run it with ``tensor.numpy(plan=...)`` or ``store(..., plan=...)``."""
+        from tra_sql.decompose import execute
+        return execute.plan(self, tensor, workers, memory)
+
+    def calibrate(self):
+        """Measure the planner's cost constants on this engine and machine (a few seconds);
+        they are kept in table ``tra_calibration`` and used by later plans."""
+        from tra_sql.decompose import calibrate
+        return calibrate.calibrate(self)
+
     # -- SQL with tensor syntax (see tra_sql.frontend) ----------------------------------
     def sql(self, text: str, params=None):
         """Run ``text``: DuckDB SQL plus ``einsum(...)`` and the other tensor table functions,
@@ -225,3 +252,26 @@ class Session:
         """The SQL that ``sql(text)`` hands DuckDB, statement by statement."""
         from tra_sql import frontend
         return frontend.explain(self, text)
+
+    # -- autodiff, relations and training (see tra_sql.autodiff, .relations, .train) -----
+    def grad(self, loss, wrt, seed=None):
+        """Gradients of the scalar ``loss`` with respect to ``wrt`` (a tensor or a list), as
+        lazy tensors: relational programs like any other (``.sql()`` shows them)."""
+        from tra_sql import autodiff
+        return autodiff.grad(self, loss, wrt, seed)
+
+    def relation(self, table: str, keys, value: str | None = None, shape=None, **options) -> Tensor:
+        """View table ``table`` as a sparse tensor relation (a VIEW, no copy): one dimension per
+        key column, values from column ``value`` (1.0 per row if None)."""
+        from tra_sql import relations
+        return relations.relation(self, table, keys, value, shape, **options)
+
+    def parameter(self, name: str, shape=None, init="glorot_uniform", **options) -> Tensor:
+        """A trainable tensor: the stored ``name`` if it exists, else initialized by ``init``."""
+        from tra_sql import train
+        return train.parameter(self, name, shape, init, **options)
+
+    def train(self, loss, params, optimizer, epochs: int, **options):
+        """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see ``tra_sql.train``)."""
+        from tra_sql import train
+        return train.train(self, loss, params, optimizer, epochs, **options)

@@ -25,6 +25,7 @@ from sqlglot import exp
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
 KEY_TYPE = "BIGINT[]"
+PLAIN_CTE_DIALECTS = {"spark", "spark2", "databricks", "hive"}  # no ``AS MATERIALIZED``
 
 
 def key(d: int) -> str:
@@ -310,8 +311,9 @@ class Program:
         self.ctes.append((name, select, node))
         self.refs[id(node)] = self.by_sql[text] = name
 
-    def query(self) -> exp.Select:
-        """``WITH <steps> AS MATERIALIZED (...) <root's SELECT>``: columns ``k0, ..., tile``."""
+    def query(self, materialized: bool = True) -> exp.Select:
+        """``WITH <steps> AS MATERIALIZED (...) <root's SELECT>``: columns ``k0, ..., tile``
+        (plain CTEs without ``materialized``, for engines that lack the keyword)."""
         root = self.refs[id(self.root)]
         steps = [(name, cte) for name, cte, _ in self.ctes if name != root]
         final = next((cte for name, cte, _ in self.ctes if name == root), None)
@@ -320,8 +322,8 @@ class Program:
             final = exp.select(*columns).from_(exp.to_table(root, quoted=True))
         select = final.copy()
         for name, cte in steps:
-            select = select.with_(name, as_=cte, materialized=True)
+            select = select.with_(name, as_=cte, materialized=materialized or None)
         return select
 
     def sql(self, dialect: str = "duckdb", pretty: bool = True) -> str:
-        return self.query().sql(dialect=dialect, pretty=pretty)
+        return self.query(dialect not in PLAIN_CTE_DIALECTS).sql(dialect=dialect, pretty=pretty)

@@ -51,17 +51,29 @@ class Tensor:
         """The SQL that computes this tensor's tile relation (columns ``k0..``, ``tile``)."""
         return self.program().sql(dialect)
 
-    def arrow(self) -> pa.Table:
-        """Run the program; the tile relation as an Arrow table."""
-        return self.session.run(self.program())
+    def arrow(self, plan=None) -> pa.Table:
+        """Run the program (under ``plan``, from ``db.plan()``, if given); the tile relation
+        as an Arrow table."""
+        if plan is None:
+            return self.session.run(self.program())
+        from tra_sql.decompose import execute
+        return execute.arrow(self, execute.resolve(self, plan))
 
-    def numpy(self) -> np.ndarray:
-        """Run the program in the engine and assemble the tiles into an ndarray."""
-        return self.session.fetch_numpy(self)
+    def numpy(self, plan=None) -> np.ndarray:
+        """Run the program in the engine and assemble the tiles into an ndarray. ``plan``:
+        a ``db.plan()`` to follow; by default large programs are planned automatically
+        (``False``: run as written)."""
+        from tra_sql.decompose import execute
+        chosen = execute.resolve(self, plan)
+        return self.session.fetch_numpy(self) if chosen is None else execute.numpy(self, chosen)
 
-    def store(self, name: str, replace: bool = False) -> Tensor:
-        """Materialize as tensor relation ``name`` (table + catalog row); all or nothing."""
-        return self.session.store(self, name, replace=replace)
+    def store(self, name: str, replace: bool = False, plan=None) -> Tensor:
+        """Materialize as tensor relation ``name`` (table + catalog row); all or nothing.
+        ``plan``: a ``db.plan()`` to follow (staged in bands if it needs to be)."""
+        if plan is None:
+            return self.session.store(self, name, replace=replace)
+        from tra_sql.decompose import execute
+        return execute.store(self, name, replace, execute.resolve(self, plan))
 
     def retile(self, tile) -> Tensor:
         """The same tensor cut into tiles of shape ``tile`` (done in SQL)."""

@@ -1,0 +1,368 @@
+"""Training epochs in tra_sql against the same models in PyTorch CPU, in the same run.
+
+    python bench/bench_training.py               # MLP, GCN (100k nodes, 1M edges, 128 features),
+                                                 # MF (1M ratings), and an out-of-core MLP run
+    python bench/bench_training.py --quick       # 10x smaller, for a fast look
+    python bench/bench_training.py --write       # also replace the "## Training" section of RESULTS.md
+
+Every (workload, framework) pair runs in a subprocess of its own, so each reports its own peak
+resident memory (DuckDB and the tile kernels live in the process). An epoch is one full-batch
+step (forward, backward, Adam) unless said otherwise; the first epoch (kernel compilation,
+plan building) is not timed. The out-of-core run trains an MLP in minibatches on data four
+times DuckDB's ``memory_limit``, in a database file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+SIZES = {
+    "full": {"mlp": (65536, 128, 256, 10), "gcn": (100_000, 1_000_000, 128, 16, 8), "mf": (6040, 3706, 1_000_000, 32),
+             "ooc": (819_200, 128, 64, 32, "200MB")},
+    "quick": {"mlp": (8192, 64, 128, 10), "gcn": (10_000, 100_000, 128, 16, 8), "mf": (943, 1682, 100_000, 32),
+              "ooc": (409_600, 128, 64, 32, "100MB")},
+}
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def epoch_seconds(history) -> float:
+    """Mean logged epoch time of a tra_sql run, without its first epoch (compilation)."""
+    return float(np.mean(history.seconds[1:]))
+
+
+def timed_epochs(step, epochs: int) -> float:
+    step()  # warm-up: compilation, plans
+    start = time.perf_counter()
+    for _ in range(epochs):
+        step()
+    return (time.perf_counter() - start) / epochs
+
+
+# -- data -------------------------------------------------------------------------------------
+def mlp_data(n, f, c, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, f))
+    labels = (X[:, :c] + 0.5 * rng.standard_normal((n, c))).argmax(1)
+    return X, np.eye(c)[labels]
+
+
+def mlp_weights(f, h, c, seed=0):
+    rng = np.random.default_rng(seed + 1)
+    return {"W1": rng.uniform(-1, 1, (f, h)) / np.sqrt(f), "b1": np.zeros(h),
+            "W2": rng.uniform(-1, 1, (h, c)) / np.sqrt(h), "b2": np.zeros(c)}
+
+
+def graph_data(n, e, f, c, seed=0):
+    rng = np.random.default_rng(seed)
+    src, dst = rng.integers(0, n, e), rng.integers(0, n, e)
+    return src, dst, rng.standard_normal((n, f)), rng.integers(0, c, n)
+
+
+def ratings_data(users, items, count, k, seed=0):
+    rng = np.random.default_rng(seed)
+    pairs = np.unique(rng.integers(0, users, count * 11 // 10).astype(np.int64) * items
+                      + rng.integers(0, items, count * 11 // 10), return_index=False)[:count]
+    u, i = pairs // items, pairs % items
+    P, Q = rng.normal(0, 0.5, (users, 4)), rng.normal(0, 0.5, (items, 4))
+    r = np.clip(np.round(3.5 + (P[u] * Q[i]).sum(1) + 0.5 * rng.standard_normal(len(u))), 1, 5)
+    return u, i, r
+
+
+# -- tra_sql workers ---------------------------------------------------------------------------
+def tra_mlp(n, f, h, c, epochs):
+    import tra_sql
+    from tra_sql import nn
+    from tra_sql.optim import Adam
+    from tra_sql.train import cross_entropy
+
+    X, Y = mlp_data(n, f, c)
+    db = tra_sql.connect()
+    rows = min(n, 8192)
+    x, y = db.from_numpy("X", X, tile=(rows, f)), db.from_numpy("Y", Y, tile=(rows, c))
+    p = {k: db.parameter(k, init=v) for k, v in mlp_weights(f, h, c).items()}
+    loss = cross_entropy(db, nn.mlp(db, x, [(p["W1"], p["b1"]), (p["W2"], p["b2"])]), y, n)
+    return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
+
+
+def tra_gcn(n, e, f, h, c, epochs):
+    import pyarrow as pa
+
+    import tra_sql
+    from tra_sql.optim import Adam
+    from tra_sql.train import cross_entropy
+
+    src, dst, X, labels = graph_data(n, e, f, c)
+    db = tra_sql.connect()
+    db.con.register("_edges", pa.table({"src": src, "dst": dst}))
+    db.con.execute("""CREATE TABLE adj AS
+        WITH links AS (SELECT src, dst FROM _edges UNION SELECT range, range FROM range(?)),
+             degree AS (SELECT dst AS node, count(*) AS d FROM links GROUP BY dst)
+        SELECT l.dst, l.src, 1 / sqrt(a.d * b.d) AS w
+        FROM links l JOIN degree a ON a.node = l.dst JOIN degree b ON b.node = l.src""", [n]).fetchall()
+    db.con.register("_labels", pa.table({"node": np.arange(n), "label": labels}))
+    db.con.execute("CREATE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
+    A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A")
+    Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y", tile=(1, c))
+    x = db.from_numpy("X", X, tile=(1, f))
+    rng = np.random.default_rng(1)
+    p = {"W1": db.parameter("W1", init=rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h))),
+         "b1": db.parameter("b1", (h,), "zeros"),
+         "W2": db.parameter("W2", init=rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c))),
+         "b2": db.parameter("b2", (c,), "zeros")}
+    hid = db.einsum("mh,h->mh", db.einsum("mn,nh->mh", A, db.einsum("nf,fh->nh", x, p["W1"])), p["b1"],
+                    join="greatest(x0 + x1, 0)")
+    z = db.einsum("mc,c->mc", db.einsum("mn,nc->mc", A, db.einsum("nh,hc->nc", hid, p["W2"])), p["b2"],
+                  join="x0 + x1")
+    loss = cross_entropy(db, z, Y, int((np.arange(n) % 10 == 0).sum()))
+    return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
+
+
+def tra_mf(users, items, count, k, epochs):
+    import mf
+    import pyarrow as pa
+
+    import tra_sql
+    from tra_sql.optim import Adam
+
+    u, i, r = ratings_data(users, items, count, k)
+    db = tra_sql.connect()
+    db.con.register("_ratings", pa.table({"user": u, "item": i, "rating": r}))
+    db.con.execute("CREATE TABLE synthetic AS FROM _ratings").fetchall()
+    sizes = mf.load(db, ratings_table="synthetic")
+    weights = mf.initial_weights(sizes["users"], sizes["items"], k, 0)
+    params = {name: db.parameter(f"mf_{name}", init=v, tile=(1, k) if v.ndim == 2 else (1,))
+              for name, v in weights.items()}
+    mean = db.from_numpy("mf_mean", np.array(sizes["mean"]))
+    loss = mf.squared_error(db, params, mean, "train", 1 / sizes["train"])
+    return epoch_seconds(db.train(loss, list(params.values()), Adam(lr=0.01), epochs + 1, run="bench",
+                                  progress=False))
+
+
+def tra_ooc(n, f, h, batches, limit, epochs):
+    """An MLP regression in ``batches`` minibatches on data 4x ``memory_limit``, in a file."""
+    import tra_sql
+    from tra_sql import nn
+    from tra_sql.optim import Adam
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), memory_limit=limit)
+        db.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
+        rng = np.random.default_rng(0)
+        w_true = rng.standard_normal(f)
+        per = n // batches
+        for b in range(batches):
+            X = rng.standard_normal((per, f))
+            db.from_numpy(f"X{b}", X, tile=(1024, f))
+            db.from_numpy(f"y{b}", np.tanh(X @ w_true / np.sqrt(f)), tile=(1024,))
+        data_mb = n * f * 8 / 2**20
+        p = {k: db.parameter(k, init=v) for k, v in mlp_weights(f, h, 1).items()}
+
+        def loss(b):
+            out = nn.mlp(db, db.tensor(f"X{b}"), [(p["W1"], p["b1"]), (p["W2"], p["b2"])])
+            return db.einsum("no,n->", out, db.tensor(f"y{b}"), join=f"(x0 - x1) * (x0 - x1) / {per}")
+
+        history = db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, batches=batches, run="ooc",
+                           progress=False)
+        return {"epoch_s": epoch_seconds(history), "first_epoch_s": history.seconds[0], "data_mb": data_mb,
+                "memory_limit": limit, "loss": history.losses}
+
+
+# -- PyTorch workers ---------------------------------------------------------------------------
+def torch_mlp(n, f, h, c, epochs):
+    import torch
+
+    X, Y = mlp_data(n, f, c)
+    x, y = torch.tensor(X), torch.tensor(Y.argmax(1))
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in mlp_weights(f, h, c).items()}
+    opt = torch.optim.Adam(list(p.values()), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        out = torch.relu(x @ p["W1"] + p["b1"]) @ p["W2"] + p["b2"]
+        torch.nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+
+    return timed_epochs(step, epochs)
+
+
+def torch_gcn(n, e, f, h, c, epochs):
+    import torch
+
+    src, dst, X, labels = graph_data(n, e, f, c)
+    pairs = np.unique(np.concatenate([np.stack([dst, src], 1), np.stack([np.arange(n)] * 2, 1)]), axis=0)
+    deg = np.bincount(pairs[:, 0], minlength=n)
+    w = 1 / np.sqrt(deg[pairs[:, 0]] * deg[pairs[:, 1]])
+    A = torch.sparse_coo_tensor(torch.tensor(pairs.T), torch.tensor(w), (n, n)).coalesce()
+    x = torch.tensor(X)
+    train = torch.tensor(np.arange(n) % 10 == 0)
+    y = torch.tensor(labels)
+    rng = np.random.default_rng(1)
+    p = {"W1": torch.tensor(rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h)), requires_grad=True),
+         "b1": torch.zeros(h, dtype=torch.float64, requires_grad=True),
+         "W2": torch.tensor(rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c)), requires_grad=True),
+         "b2": torch.zeros(c, dtype=torch.float64, requires_grad=True)}
+    opt = torch.optim.Adam(list(p.values()), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        hid = torch.relu(torch.sparse.mm(A, x @ p["W1"]) + p["b1"])
+        out = torch.sparse.mm(A, hid @ p["W2"]) + p["b2"]
+        torch.nn.functional.cross_entropy(out[train], y[train]).backward()
+        opt.step()
+
+    return timed_epochs(step, epochs)
+
+
+def torch_mf(users, items, count, k, epochs):
+    import torch
+
+    u, i, r = ratings_data(users, items, count, k)
+    # the same 80/20 split and index mapping as tra_sql's (ids are already dense here)
+    import duckdb
+    con = duckdb.connect()
+    con.execute("CREATE TABLE t AS SELECT * FROM (SELECT unnest(?) AS user, unnest(?) AS item)",
+                [u.tolist(), i.tolist()]).fetchall()
+    train = np.array(con.execute("SELECT hash(user, item, 'split') % 5 <> 0 FROM t").fetchall())[:, 0]
+    rng = np.random.default_rng(0)
+    P, Q = rng.normal(0, 0.1, (users, k)), rng.normal(0, 0.1, (items, k))
+    p = {"P": torch.tensor(P, requires_grad=True), "Q": torch.tensor(Q, requires_grad=True),
+         "bu": torch.zeros(users, dtype=torch.float64, requires_grad=True),
+         "bi": torch.zeros(items, dtype=torch.float64, requires_grad=True)}
+    ut, it, rt = torch.tensor(u[train]), torch.tensor(i[train]), torch.tensor(r[train])
+    mean = float(r[train].mean())
+    opt = torch.optim.Adam(list(p.values()), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        pred = (p["P"][ut] * p["Q"][it]).sum(1) + p["bu"][ut] + p["bi"][it] + mean
+        ((pred - rt) ** 2).mean().backward()
+        opt.step()
+
+    return timed_epochs(step, epochs)
+
+
+WORKERS = {("tra", "mlp"): tra_mlp, ("tra", "gcn"): tra_gcn, ("tra", "mf"): tra_mf, ("tra", "ooc"): tra_ooc,
+           ("torch", "mlp"): torch_mlp, ("torch", "gcn"): torch_gcn, ("torch", "mf"): torch_mf}
+
+
+def worker(framework: str, workload: str, size: str, epochs: int) -> None:
+    if framework == "torch":
+        import torch
+        torch.set_num_threads(2)
+    out = WORKERS[(framework, workload)](*SIZES[size][workload], epochs)
+    result = out if isinstance(out, dict) else {"epoch_s": out}
+    result["peak_mb"] = peak_mb()
+    print("RESULT " + json.dumps(result))
+
+
+def spawn(framework: str, workload: str, size: str, epochs: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", framework, workload, "--size", size, "--epochs", str(epochs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def describe(size: str) -> dict[str, str]:
+    s = SIZES[size]
+    n, f, h, c = s["mlp"]
+    gn, ge, gf, gh, gc = s["gcn"]
+    users, items, count, k = s["mf"]
+    return {"mlp": f"MLP {n}x{f} -> {h} -> {c}, full batch",
+            "gcn": f"GCN {gn:,} nodes, {ge:,} edges, {gf} features, hidden {gh}",
+            "mf": f"MF {count:,} ratings, {users}x{items}, k={k}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=["mlp", "gcn", "mf", "ooc"])
+    parser.add_argument("--write", action="store_true", help="replace the Training section of bench/RESULTS.md")
+    parser.add_argument("--note", default="", help="a remark for RESULTS.md (e.g. the machine's load)")
+    parser.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "WORKLOAD"))
+    parser.add_argument("--size", default="full")
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker, args.size, args.epochs)
+        return
+    from common import machine
+
+    size = "quick" if args.quick else "full"
+    rows = []
+    print(machine())
+    for workload, label in describe(size).items():
+        if workload not in args.only:
+            continue
+        ours, theirs = spawn("tra", workload, size, args.epochs), spawn("torch", workload, size, args.epochs)
+        if "error" in ours or "error" in theirs:
+            print(f"{label}: failed: {ours.get('error') or theirs.get('error')}")
+            continue
+        ratio = ours["epoch_s"] / theirs["epoch_s"]
+        rows.append(f"| {label} | {ours['epoch_s']:.3f} | {theirs['epoch_s']:.4f} | {ratio:.0f}x | "
+                    f"{ours['peak_mb']:.0f} | {theirs['peak_mb']:.0f} |")
+        print(rows[-1])
+    ooc = None
+    if "ooc" in args.only:
+        ooc = spawn("tra", "ooc", size, 1)  # a second epoch, timed after the first (which compiles)
+        print("out-of-core:", ooc)
+    if args.write:
+        write_results(rows, ooc, size, args.note)
+
+
+def write_results(rows: list[str], ooc: dict | None, size: str, note: str = "") -> None:
+    import textwrap
+
+    from common import machine
+
+    n, f, h, batches, limit = SIZES[size]["ooc"]
+    wrap = lambda text: textwrap.fill(text, 95)  # noqa: E731
+    lines = ["## Training", "",
+             wrap(f"`python bench/bench_training.py{' --quick' if size == 'quick' else ''}` "
+                  f"({time.strftime('%Y-%m-%d')}, {machine()}). Seconds per epoch (full-batch forward, backward "
+                  "and Adam step; the first epoch, which compiles, is not timed) and peak resident memory of the "
+                  f"process, each framework in a subprocess of its own; ratio = tra_sql / PyTorch CPU. {note}"),
+             "", "| workload | tra_sql s/epoch | PyTorch s/epoch | ratio | tra_sql peak MB | PyTorch peak MB |",
+             "|---|---|---|---|---|---|", *rows, ""]
+    if ooc and "error" not in ooc:
+        lines += [wrap(f"Out of core: an MLP ({f} -> {h} -> 1) trained in {batches} minibatches on "
+                       f"{ooc['data_mb']:.0f} MB of data in a database file with DuckDB `memory_limit` = {limit} "
+                       f"(data {ooc['data_mb'] / _mb(limit):.1f}x the limit): {ooc['epoch_s']:.1f} s per epoch "
+                       f"({ooc['first_epoch_s']:.1f} s for the first, which compiles every batch's program), "
+                       f"peak resident memory {ooc['peak_mb']:.0f} MB (the limit does not cover memory used "
+                       f"inside tile UDFs)."), ""]
+    path = ROOT / "bench" / "RESULTS.md"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    start = text.find("## Training")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + "\n".join(lines) + (text[end + 1:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
+    path.write_text(text)
+
+
+def _mb(limit: str) -> float:
+    value, unit = float(limit[:-2]), limit[-2:].upper()
+    return value * {"KB": 1 / 1024, "MB": 1, "GB": 1024}[unit]
+
+
+if __name__ == "__main__":
+    main()

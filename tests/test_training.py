@@ -1,0 +1,233 @@
+"""Parameters, optimizers as SQL updates, the training loop, resuming a run, and the
+workloads in examples/ (accuracy against the same models in PyTorch)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tra_sql
+from tra_sql import nn, train
+from tra_sql.optim import SGD, Adam, AdamW
+
+torch = pytest.importorskip("torch")
+
+
+def _problem(db, rng, prefix=""):
+    X, Y = rng.standard_normal((8, 4)), rng.standard_normal((8, 2))
+    x, y = db.from_numpy(prefix + "X", X, tile=(4, 4), replace=True), db.from_numpy(prefix + "Y", Y, replace=True)
+    init = {"W1": rng.standard_normal((4, 3)) * 0.5, "b1": rng.standard_normal(3) * 0.1,
+            "W2": rng.standard_normal((3, 2)) * 0.5}
+    params = [db.parameter(prefix + k, init=v, tile=(2, 3) if k == "W1" else None) for k, v in init.items()]
+    W1, b1, W2 = params
+    h = nn.linear(db, x, W1, b1, "tanh")
+    loss = db.einsum("nk,nk->", db.einsum("nh,hk->nk", h, W2), y, join="(x0 - x1) * (x0 - x1) / 16")
+    return loss, params, (X, Y, init)
+
+
+def _torch_run(data, make_opt, steps):
+    X, Y, init = data
+    ps = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
+    opt = make_opt(list(ps.values()))
+    for _ in range(steps):
+        opt.zero_grad()
+        h = torch.tanh(torch.tensor(X) @ ps["W1"] + ps["b1"])
+        (((h @ ps["W2"] - torch.tensor(Y)) ** 2).sum() / 16).backward()
+        opt.step()
+    return {k: v.detach().numpy() for k, v in ps.items()}
+
+
+OPTIMIZERS = {
+    "sgd": (SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd-decay": (SGD(lr=0.1, weight_decay=0.01), lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01)),
+    "momentum": (SGD(lr=0.05, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "nesterov": (SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    "adam": (Adam(lr=0.05, weight_decay=0.01), lambda p: torch.optim.Adam(p, lr=0.05, weight_decay=0.01)),
+    "adamw": (AdamW(lr=0.05, betas=(0.8, 0.99), weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=0.05, betas=(0.8, 0.99), weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_matches_torch(db, rng, name):
+    ours, theirs = OPTIMIZERS[name]
+    loss, params, data = _problem(db, rng)
+    history = db.train(loss, params, ours, 4, run=f"r_{name.replace('-', '_')}", progress=False)
+    assert history.epochs == 4 and history.steps == 4
+    expected = _torch_run(data, theirs, 4)
+    for p, key in zip(params, ["W1", "b1", "W2"]):
+        np.testing.assert_allclose(p.numpy(), expected[key], rtol=1e-10, atol=1e-12, err_msg=f"{name} {key}")
+
+
+def test_learning_rate_schedule_and_per_parameter_weight_decay(db, rng):
+    loss, params, data = _problem(db, rng)
+    opt = SGD(lr=lambda step: 0.1 / step, weight_decay={"W1": 0.5})
+    db.train(loss, params, opt, 3, run="sched", progress=False)
+
+    def make(p):
+        o = torch.optim.SGD([{"params": p[:1], "weight_decay": 0.5}, {"params": p[1:]}], lr=0.1)
+        return o
+
+    X, Y, init = data
+    ps = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
+    opt_t = make(list(ps.values()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_t, lambda e: 1 / (e + 1))
+    for _ in range(3):
+        opt_t.zero_grad()
+        h = torch.tanh(torch.tensor(X) @ ps["W1"] + ps["b1"])
+        (((h @ ps["W2"] - torch.tensor(Y)) ** 2).sum() / 16).backward()
+        opt_t.step()
+        sched.step()
+    for p, key in zip(params, ["W1", "b1", "W2"]):
+        np.testing.assert_allclose(p.numpy(), ps[key].detach().numpy(), rtol=1e-10)
+
+
+def test_parameters_and_initializers(db):
+    W = db.parameter("W", (200, 100), init="glorot_uniform", seed=3)
+    assert W.shape == (200, 100) and np.abs(W.numpy()).max() <= np.sqrt(6 / 300)
+    assert db.parameter("W", (200, 100), init="zeros").numpy().any()   # exists: returned as stored
+    again = tra_sql.connect()
+    np.testing.assert_array_equal(again.parameter("W", (200, 100), init="glorot_uniform", seed=3).numpy(), W.numpy())
+    assert db.parameter("b", (5,), init="zeros", dtype="float32").dtype == np.float32
+    assert db.parameter("c", init=np.arange(3.0)).shape == (3,)
+    assert db.parameter("d", (4, 4), init=lambda rng, shape: np.eye(4)).numpy()[2, 2] == 1
+    assert np.abs(db.parameter("e", (1000,), init="normal", scale=0.01).numpy()).max() < 0.1
+    with pytest.raises(tra_sql.SpecError, match="initializer"):
+        db.parameter("f", (2,), init="nope")
+    with pytest.raises(tra_sql.ShapeError):
+        db.parameter("g", (2,), init=np.ones(3))
+
+
+def test_training_logs_losses_and_batches(db, rng):
+    X = rng.standard_normal((40, 3))
+    w_true = np.array([1.0, -2.0, 0.5])
+    y = X @ w_true
+    xs = [db.from_numpy(f"X{b}", X[b * 20:(b + 1) * 20]) for b in range(2)]
+    ys = [db.from_numpy(f"y{b}", y[b * 20:(b + 1) * 20]) for b in range(2)]
+    w = db.parameter("w", (3,), init="zeros")
+
+    def loss(batch):
+        pred = db.einsum("ni,i->n", xs[batch], w)
+        return db.einsum("n,n->", pred, ys[batch], join="(x0 - x1) * (x0 - x1) / 20")
+
+    seen = []
+    history = db.train(loss, [w], Adam(lr=0.1), 60, batches=2, run="lin", progress=False,
+                       on_epoch=lambda epoch, value: seen.append(epoch))
+    assert history.steps == 120 and seen == list(range(60))
+    assert history.losses[-1] < 1e-3 < history.losses[0]
+    np.testing.assert_allclose(w.numpy(), w_true, atol=0.02)
+    logged = db.con.execute("SELECT count(*), max(epoch) FROM tra_run_log WHERE run = 'lin'").fetchall()
+    assert logged == [(60, 59)]
+    assert db.con.execute("SELECT step, epoch FROM tra_runs WHERE run = 'lin'").fetchall() == [(120, 60)]
+
+
+def test_interrupted_run_resumes_from_the_database_file(tmp_path, rng):
+    def session(path):
+        db = tra_sql.connect(str(path))
+        loss, params, _ = _problem(db, np.random.default_rng(1))
+        return db, loss, params
+
+    reference, loss, params = session(tmp_path / "ref.duckdb")
+    reference.train(loss, params, Adam(lr=0.05), 6, run="fit", progress=False)
+    expected = [p.numpy() for p in params]
+    reference.close()
+
+    path = tmp_path / "run.duckdb"
+    db, loss, params = session(path)
+
+    def stop(step, batch):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        db.train(loss, params, Adam(lr=0.05), 6, run="fit", progress=False, before_step=stop)
+    db.close()                                                    # the process "dies" here
+    db, loss, params = session(path)                              # parameters come back from the file
+    assert db.con.execute("SELECT step FROM tra_runs").fetchall() == [(4,)]
+    history = db.train(loss, params, Adam(lr=0.05), 6, run="fit", progress=False)
+    assert history.epochs == 6 and history.steps == 6
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.numpy(), e, rtol=1e-12)
+    assert "fit__m__W1" in db.tensors() and "fit__v__b1" in db.tensors()
+    with pytest.raises(tra_sql.TraError, match="another run name"):
+        db.train(loss, params, SGD(lr=0.1), 7, run="fit", progress=False)
+    db.close()
+
+
+def test_sparse_gradient_keeps_untouched_rows(db, rng):
+    db.con.execute("CREATE TABLE picks AS SELECT * FROM (VALUES (0, 0), (1, 2)) t(n, row)").fetchall()
+    pick = db.relation("picks", ("n", "row"), shape=(2, 5))
+    E = db.parameter("E", init=rng.standard_normal((5, 2)), tile=(1, 2))
+    before = E.numpy()
+    loss = db.einsum("nr,rd->", pick, E, join="x0 * x1 * x1")
+    db.train(loss, [E], SGD(lr=0.1), 1, run="emb", progress=False)
+    after = E.numpy()
+    assert db.con.execute('SELECT count(*) FROM "E"').fetchall() == [(5,)]
+    np.testing.assert_array_equal(after[[1, 3, 4]], before[[1, 3, 4]])
+    np.testing.assert_allclose(after[[0, 2]], before[[0, 2]] * (1 - 0.2))
+
+
+def test_dropout_masks_are_reproducible_and_differentiable(db, rng):
+    drop = train.Dropout(db, "drop", (50, 40), p=0.5, tile=(25, 40), seed=1)
+    x = db.from_numpy("x", np.ones((50, 40)))
+    first = drop.apply(x).numpy()
+    assert set(np.unique(first)) == {0.0, 2.0} and 0.4 < (first == 0).mean() < 0.6
+    drop.resample(1)
+    second = drop.apply(x).numpy()
+    drop.resample(0)
+    np.testing.assert_array_equal(drop.apply(x).numpy(), first)
+    assert (first != second).any()
+    g = db.grad(db.einsum("ij->", drop.apply(x)), x).numpy()
+    np.testing.assert_array_equal(g, first)
+
+
+# -- the workloads in examples/ ---------------------------------------------------------------
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model,epochs", [("logreg", 40), ("mlp", 25)])
+def test_digits_accuracy_matches_torch(model, epochs):
+    pytest.importorskip("sklearn")
+    result = _example("digits").run(model, epochs=epochs, hidden=32, progress=False)
+    assert result["test_accuracy"] > 0.9
+    assert abs(result["test_accuracy"] - result["torch_test_accuracy"]) <= 0.01
+
+
+def test_matrix_factorization_on_movielens_matches_torch():
+    mf = _example("mf")
+    try:
+        mf.data_file()
+    except FileNotFoundError:
+        pytest.skip("MovieLens 100k: pip install --no-deps recbole==1.2.1")
+    result = mf.run(epochs=6, progress=False)
+    assert result["test_rmse"] < 1.2
+    assert abs(result["test_rmse"] / result["torch_test_rmse"] - 1) <= 0.02
+
+
+def test_distmult_on_umls_matches_torch():
+    kg = _example("kg")
+    try:
+        kg.data_folder()
+    except FileNotFoundError:
+        pytest.skip("UMLS: pip install --no-deps pykeen==1.11.1")
+    result = kg.run(epochs=10, k=32, progress=False)
+    assert result["test_mrr"] > 0.3
+    assert abs(result["test_mrr"] / result["torch_test_mrr"] - 1) <= 0.05
+
+
+@pytest.mark.slow
+def test_gcn_on_cora_reaches_80_percent():
+    gcn = _example("gcn")
+    if not (Path(gcn.DEFAULT_DATA) / "edges.csv").exists():
+        pytest.skip("Cora is not in ../shared/data")
+    result = gcn.run(progress=False, evaluate_every=5)
+    assert result["test_accuracy"] >= 0.80

@@ -1,0 +1,341 @@
+"""Reverse-mode differentiation of the lazy DAG, one rule per node kind (DESIGN §7).
+
+The gradient of a node is built from the same node kinds, so it compiles to SQL like any
+program (``db.grad(loss, [W])[0].sql()`` shows it):
+
+- ``Einsum`` with ``agg='sum'``: ``d x_i = Σ_{indices not in x_i} dOut[o] · ∂⊗/∂x_i(...)``, an
+  einsum whose join is ``x0 * <symbolic derivative>`` (``tra_sql.derivative``). With the
+  default product join the derivative is the product of the other operands, so the gradient
+  is again a plain contraction (BLAS). Operands the derivative does not use are dropped when
+  their relation is dense (an index seen only there scales by its size); sparse ones stay as
+  join filters under a non-product join (inner-join semantics), and a sparse ``x_i`` filters
+  its own gradient, so a gradient with respect to a sparse relation exists at its keys only.
+- ``agg='max'``/``'min'``: the gradient goes to the elements equal to the result, split evenly
+  among ties (as ``torch.amax``): ``dOut · [⊗ = out] / count(⊗ = out) · ∂⊗/∂x_i``. float32
+  with a computed join first materializes ⊗ elementwise, so the comparison is exact.
+- ``agg='prod'``: ``dOut · out / ⊗ · ∂⊗/∂x_i``, computed as PyTorch does without dividing by
+  zero: with one zero factor in a group only that element gets the product of the others.
+- ``Place`` (re-tile, slice, concatenation, reshape, keyed sum): the transposed placement.
+- Fan-out: a node used several times gets the keyed sum (``graph.add``) of its gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from math import prod
+from typing import TYPE_CHECKING
+
+import numpy as np
+from sqlglot import exp
+
+from tra_sql import graph
+from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, to_sql, variables
+from tra_sql.errors import DTypeError, ShapeError
+from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
+
+if TYPE_CHECKING:
+    from tra_sql.session import Session
+    from tra_sql.tensor import Tensor
+
+
+@dataclass
+class Context:
+    """What the rules need from outside the graph: whether a relation has every tile
+    (``dense``) and identity matrices for indices repeated inside one operand (``eye``)."""
+
+    source_dense: Callable[[Source], bool]
+    eye: Callable[[int, np.dtype], Node]
+    memo: dict[int, bool] = field(default_factory=dict)
+    cache: dict[tuple, Node] = field(default_factory=dict)
+    #: (primal, gradient) id pairs where the gradient's tiles lie within the primal's tiles
+    tight: set[tuple[int, int]] = field(default_factory=set)
+
+    def dense(self, node: Node) -> bool:
+        """Whether every tile key of ``node`` is present (absent tiles are zeros otherwise)."""
+        if id(node) not in self.memo:
+            self.memo[id(node)] = self._dense(node)
+        return self.memo[id(node)]
+
+    def _dense(self, node: Node) -> bool:
+        if isinstance(node, Fill):
+            return True
+        if isinstance(node, Source):
+            return self.source_dense(node)
+        if isinstance(node, Einsum):
+            return all(self.dense(op) for op in node.operands)
+        if isinstance(node, Place):
+            if node.flat:
+                return self.dense(node.sources[0])
+            volumes = [_covered(node, m) for m in range(len(node.sources))]
+            total = prod(node.shape)
+            if node.add:
+                return any(v == total and self.dense(s) for v, s in zip(volumes, node.sources))
+            return all(self.dense(s) for s in node.sources) and sum(volumes) >= total
+        return False
+
+
+def _covered(node: Place, m: int) -> int:
+    """Elements of ``node``'s output that source ``m`` covers."""
+    src, off = node.sources[m], node.offsets[m]
+    return prod(max(0, min(n, o + s) - max(0, o)) for n, o, s in zip(node.shape, off, src.shape))
+
+
+def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None = None) -> list[Node]:
+    """Nodes computing ``d loss / d w`` for each ``w`` in ``wrt`` (``seed`` is ``d loss``;
+    by default 1 for a scalar loss)."""
+    if seed is None:
+        if loss.shape != ():
+            raise ShapeError(f"grad needs a scalar loss, got shape {loss.shape}; pass seed= for "
+                             f"a vector-Jacobian product")
+        seed = Fill((), loss.dtype, (), 1.0)
+    elif seed.shape != loss.shape:
+        raise ShapeError(f"seed has shape {seed.shape} but the loss has shape {loss.shape}")
+    for w in wrt:
+        if not np.issubdtype(w.dtype, np.floating):
+            raise DTypeError(f"cannot differentiate with respect to {w.label!r} of dtype {w.dtype}")
+    order = topological(loss)
+    targets = {id(w) for w in wrt}
+    needs: set[int] = set()
+    for node in order:
+        if id(node) in targets or (np.issubdtype(node.dtype, np.floating) and not getattr(node, "constant", False)
+                                   and any(id(c) in needs for c in node.inputs)):
+            needs.add(id(node))
+    adjoint: dict[int, list[Node]] = {id(loss): [seed]}
+    ctx.tight.add((id(loss), id(seed)))
+    found: dict[int, Node] = {}
+    for node in reversed(order):
+        parts = adjoint.pop(id(node), None)
+        if not parts or id(node) not in needs:
+            continue
+        g = parts[0] if len(parts) == 1 else graph.add(parts)
+        if all((id(node), id(p)) in ctx.tight for p in parts):
+            ctx.tight.add((id(node), id(g)))
+        if id(node) in targets:
+            found[id(node)] = g
+        rule = RULES.get(type(node))
+        if rule is None:
+            continue
+        for child, contribution in rule(node, g, needs, ctx):
+            adjoint.setdefault(id(child), []).append(contribution)
+    out = []
+    for w in wrt:
+        g = found.get(id(w))
+        if g is None:
+            out.append(Fill(w.shape, w.dtype, w.tile, 0.0))
+            continue
+        if not ctx.dense(w) and (id(w), id(g)) not in ctx.tight:  # a sparse relation: at its keys only
+            idx = _letters(len(w.shape))
+            g = graph.einsum(f"{idx},{idx}->{idx}", [g, w], ["gradient", w.label], join="x0")
+        out.append(graph.retile(g, w.tile))
+    return out
+
+
+def _letters(n: int) -> str:
+    return string.ascii_letters[:n]
+
+
+# -- einsum -------------------------------------------------------------------------------
+def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expression, ctx: Context) -> Node | None:
+    """``Σ over the indices not in operand i`` of ``expr``, an expression over the ``lead``
+    operands (``x0..``, the first being the output's gradient) followed by the forward
+    operands (``x<len(lead)+k>``)."""
+    if is_zero(expr):
+        return None
+    subs, target, o = node.spec.inputs, node.spec.inputs[i], node.spec.output
+    candidates = list(lead) + list(zip(subs, node.operands))
+    used = variables(expr)
+    # Sparse operands stay as join filters: a non-product join has inner-join semantics, and the
+    # gradient of a sparse operand itself exists at its keys only (no dense outer products). A
+    # filter is redundant where the output's gradient lies within the output's tiles (the
+    # forward join already kept only keys where every operand has a tile) and covers its indices.
+    g_tight = (id(node), id(lead[0][1])) in ctx.tight
+    filters = [m >= len(lead) and (node.join is not None or m == len(lead) + i) and not ctx.dense(op)
+               and not (g_tight and set(sub) <= set(o)) for m, (sub, op) in enumerate(candidates)]
+    keep = [f"x{m}" in used or f for m, f in enumerate(filters)]
+    letters = set("".join(sub for (sub, _), k in zip(candidates, keep) if k))
+    if not set(target) <= letters:
+        keep[len(lead) + i] = True
+        letters |= set(target)
+    factor = 1
+    for c in {c for (sub, _), k in zip(candidates, keep) if not k for c in sub} - letters:
+        factor *= node.sizes[c]
+    chosen = [(sub, op) for (sub, op), k in zip(candidates, keep) if k]
+    mapping = {f"x{m}": f"x{j}" for j, m in enumerate(m for m, k in enumerate(keep) if k)}
+    expr = mul(rename(expr, mapping), num(factor))
+    out, fresh = "", iter(c for c in string.ascii_letters if c not in "".join(subs) + node.spec.output)
+    for c in target:  # an index repeated inside the operand: its gradient lives on the diagonal
+        if c in out:
+            other = next(fresh)
+            chosen.append((c + other, ctx.eye(node.sizes[c], node.dtype)))
+            expr = mul(expr, exp.column(f"x{len(chosen) - 1}"))
+            c = other
+        out += c
+    x_i = node.operands[i]
+    tight = keep[len(lead) + i] or (g_tight and set(target) <= set(o)) or ctx.dense(x_i)
+    if len(chosen) == 1 and chosen[0][0] == out and expr == exp.column("x0"):
+        result = chosen[0][1]
+    else:
+        join = None if _is_product(expr, len(chosen)) else to_sql(expr)
+        spec = ",".join(sub for sub, _ in chosen) + "->" + out
+        result = graph.einsum(spec, [op for _, op in chosen], [f"d{node.label}"] * len(chosen), join, "sum")
+    if tight:
+        ctx.tight.add((id(x_i), id(result)))
+    return result
+
+
+def _is_product(expr: exp.Expression, n: int) -> bool:
+    """Whether ``expr`` is ``x0 * ... * x(n-1)`` in some order, each once."""
+    factors: list[exp.Expression] = []
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        e = e.this if isinstance(e, exp.Paren) else e
+        if isinstance(e, exp.Mul):
+            stack += [e.this, e.expression]
+        else:
+            factors.append(e)
+    names = [f.name for f in factors if isinstance(f, exp.Column)]
+    return len(names) == len(factors) == n and set(names) == {f"x{m}" for m in range(n)}
+
+
+def _shift(expr: exp.Expression, n: int, by: int) -> exp.Expression:
+    return rename(expr, {f"x{k}": f"x{k + by}" for k in range(n)})
+
+
+def _helper(ctx: Context, node: Einsum, what: str, join: str, agg: str, extra: Node | None = None) -> Node:
+    """An auxiliary reduction over ``node``'s operands (and its output ``extra``), cached."""
+    key = (id(node), what)
+    if key not in ctx.cache:
+        subs = list(node.spec.inputs) + ([node.spec.output] if extra is not None else [])
+        ops = list(node.operands) + ([extra] if extra is not None else [])
+        ctx.cache[key] = graph.einsum(",".join(subs) + "->" + node.spec.output, ops, [node.label] * len(ops),
+                                      join, agg)
+    return ctx.cache[key]
+
+
+def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
+    n, o = len(node.operands), node.spec.output
+    J = parse(node.join) if node.join else product(n)
+    agg = node.agg if node.spec.aggregated else "sum"
+    if agg in ("max", "min") and node.dtype == np.float32 and not isinstance(J, exp.Column):
+        yield from _via_elementwise(node, g, needs, ctx)
+        return
+    for i, op in enumerate(node.operands):
+        if id(op) not in needs:
+            continue
+        D = diff(J, f"x{i}", node.join)
+        if is_zero(D):
+            continue
+        if agg == "sum":
+            part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
+        elif agg in ("max", "min"):
+            hit = f"CASE WHEN {to_sql(J)} = x{n} THEN 1 ELSE 0 END"
+            count = _helper(ctx, node, "ties", hit, "sum", extra=node)
+            equal = exp.EQ(this=exp.Paren(this=_shift(J, n, 3)), expression=exp.column("x1"))
+            share = mul(div(exp.column("x0"), exp.column("x2")), _shift(D, n, 3))
+            expr = exp.Case(ifs=[exp.If(this=equal, true=share)], default=num(0))
+            part = _vjp(node, i, [(o, g), (o, node), (o, count)], expr, ctx)
+        else:
+            text = to_sql(J)
+            nonzero = _helper(ctx, node, "nonzero", f"CASE WHEN {text} = 0 THEN 1 ELSE {text} END", "prod")
+            zeros = _helper(ctx, node, "zeros", f"CASE WHEN {text} = 0 THEN 1 ELSE 0 END", "sum")
+            Jp, Dp = exp.Paren(this=_shift(J, n, 3)), _shift(D, n, 3)
+            scaled = mul(mul(exp.column("x0"), exp.column("x1")), Dp)
+            expr = exp.Case(ifs=[
+                exp.If(this=exp.EQ(this=exp.column("x2"), expression=num(0)), true=div(scaled, Jp)),
+                exp.If(this=exp.And(this=exp.EQ(this=exp.column("x2"), expression=num(1)),
+                                    expression=exp.EQ(this=Jp.copy(), expression=num(0))), true=scaled),
+            ], default=num(0))
+            part = _vjp(node, i, [(o, g), (o, nonzero), (o, zeros)], expr, ctx)
+        if part is not None:
+            yield op, part
+
+
+def _via_elementwise(node: Einsum, g: Node, needs: set[int], ctx: Context):
+    """max/min of a float32 join: materialize ``E = ⊗`` over all indices, route the gradient
+    to ``E``'s extremal elements, then differentiate the elementwise einsum."""
+    subs, o = node.spec.inputs, node.spec.output
+    every = "".join(dict.fromkeys("".join(subs)))
+    E = graph.einsum(",".join(subs) + "->" + every, list(node.operands), [node.label] * len(subs), node.join)
+    count = graph.einsum(f"{every},{o}->{o}", [E, node], [node.label] * 2, "CASE WHEN x0 = x1 THEN 1 ELSE 0 END")
+    dE = graph.einsum(f"{o},{o},{o},{every}->{every}", [g, node, count, E], [node.label] * 4,
+                      "CASE WHEN x3 = x1 THEN x0 / x2 ELSE 0 END")
+    ctx.tight.add((id(E), id(dE)))
+    assert isinstance(E, Einsum)
+    yield from _einsum_rule(E, dE, needs, ctx)
+
+
+# -- structural ops -------------------------------------------------------------------------
+def _place_rule(node: Place, g: Node, needs: set[int], ctx: Context):
+    for m, src in enumerate(node.sources):
+        if id(src) not in needs:
+            continue
+        if node.flat:
+            part = graph.retile(graph.reshape(g, src.shape), src.tile)
+        elif node.add:
+            part = graph.retile(g, src.tile)
+        elif src.shape == node.shape and not any(node.offsets[m]):
+            part = graph.retile(g, src.tile)
+        else:
+            part = Place(src.shape, g.dtype, src.tile, (g,), (tuple(-o for o in node.offsets[m]),))
+        yield src, part
+
+
+RULES = {Einsum: _einsum_rule, Place: _place_rule}
+
+
+def stop_gradient(node: Node) -> Node:
+    """A copy of ``node`` (same SQL, computed once) that gradients do not flow through, like
+    ``torch.Tensor.detach``: e.g. the max subtracted inside a log-sum-exp for stability."""
+    copy = dataclasses.replace(node)
+    copy.constant = True
+    return copy
+
+
+# -- session-level API ----------------------------------------------------------------------
+def context(db: Session) -> Context:
+    """A ``Context`` that asks ``db`` which relations are dense and stores identity matrices."""
+    counts: dict[str, bool] = {}
+
+    def source_dense(node: Source) -> bool:
+        if node.table not in counts:
+            rows = db.con.execute(f'SELECT count(*) FROM "{node.table}"').fetchall()[0][0]
+            counts[node.table] = rows >= prod(node.grid)
+        return counts[node.table]
+
+    def eye(n: int, dtype: np.dtype) -> Node:
+        name = f"tra_eye_{n}_{np.dtype(dtype).name}"
+        if name not in db.tensors():
+            db.from_numpy(name, np.eye(n, dtype=dtype))
+        return db.tensor(name).node
+
+    return Context(source_dense, eye)
+
+
+def grad(db: Session, loss: Tensor, wrt, seed: Tensor | None = None):
+    """Gradients of ``loss`` with respect to ``wrt`` (a Tensor, a name, or a list of them) as
+    lazy Tensors: relational programs whose SQL ``Tensor.sql()`` shows."""
+    from tra_sql.tensor import Tensor
+
+    single = not isinstance(wrt, (list, tuple))
+    items = [wrt] if single else list(wrt)
+    nodes = [db._node(w)[0] for w in items]
+    loss_node = db._node(loss)[0]
+    seed_node = db._node(seed)[0] if seed is not None else None
+    result = [Tensor(db, n) for n in gradients(loss_node, nodes, context(db), seed_node)]
+    return result[0] if single else result
+
+
+def detach(db: Session, tensor: Tensor) -> Tensor:
+    """``tensor`` as a constant for differentiation (see ``stop_gradient``)."""
+    from tra_sql.tensor import Tensor
+
+    return Tensor(db, stop_gradient(db._node(tensor)[0]))
+
+
+def grad_tensor(db: Session, loss_name: str, wrt_name: str) -> Tensor:
+    """Hook for the SQL front end: ``grad(loss, W)`` as a lazy Tensor."""
+    return grad(db, db.tensor(loss_name), db.tensor(wrt_name))

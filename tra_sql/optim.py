@@ -1,0 +1,143 @@
+"""Optimizers as einsums over weight tables: SGD (with momentum / Nesterov), Adam and AdamW.
+
+An optimizer step maps a parameter ``W``, its gradient ``g`` and its state tensors (momentum
+buffer, Adam's moments) to their new values, each one elementwise einsum whose join is the
+update rule; ``tra_sql.train`` stores them and swaps them into the tables in one transaction.
+Hyperparameters that change from step to step (the learning rate under a schedule, Adam's
+bias corrections) are scalar tensors in the join, not constants in its text, so the same SQL
+and the same compiled kernels serve every step. Conventions are PyTorch's: ``weight_decay`` is
+L2 added to the gradient (SGD, Adam) or decoupled (AdamW); momentum has no dampening.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from tra_sql.errors import SpecError
+
+if TYPE_CHECKING:
+    from tra_sql.session import Session
+    from tra_sql.tensor import Tensor
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _f(value: float) -> str:
+    return repr(float(value))
+
+
+@dataclass
+class Optimizer:
+    """Base class: ``lr`` is a number or a function of the step (1, 2, ...); ``weight_decay``
+    a number or a mapping from parameter name to number (absent names: 0)."""
+
+    lr: float | Callable[[int], float] = 1e-3
+    weight_decay: float | Mapping[str, float] = 0.0
+
+    #: names of the state tensors kept per parameter (zeros at the start)
+    slots: tuple[str, ...] = ()
+
+    def rate(self, step: int) -> float:
+        return float(self.lr(step) if callable(self.lr) else self.lr)
+
+    def decay(self, name: str) -> float:
+        wd = self.weight_decay
+        return float(wd.get(name, 0.0) if isinstance(wd, Mapping) else wd)
+
+    def scalars(self, step: int) -> dict[str, float]:
+        """Per-step scalars for step ``step`` (1-based), as scalar tensors in the updates."""
+        return {"lr": self.rate(step)}
+
+    def update(self, db: Session, name: str, w: Tensor, g: Tensor, state: dict[str, Tensor],
+               scalars: dict[str, Tensor]) -> dict[str, Tensor]:
+        """New values: ``{"param": W', slot: state', ...}`` (lazy tensors)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A stable description (stored with a run, checked when it resumes)."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if callable(value):
+                value = getattr(value, "__name__", type(value).__name__)
+            elif isinstance(value, Mapping):
+                value = dict(sorted(value.items()))
+            parts.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _ew(db: Session, tensors: list[Tensor], n_scalars: int, join: str) -> Tensor:
+    """An elementwise einsum over equally shaped ``tensors`` followed by scalar tensors."""
+    idx = LETTERS[: tensors[0].ndim]
+    spec = ",".join([idx] * (len(tensors) - n_scalars) + [""] * n_scalars) + "->" + idx
+    return db.einsum(spec, *tensors, join=join)
+
+
+def _decayed(grad: str, param: str, wd: float) -> str:
+    return f"({grad} + {_f(wd)} * {param})" if wd else grad
+
+
+@dataclass
+class SGD(Optimizer):
+    """``W -= lr * d`` with ``d = g + wd W``; with momentum ``b = mu b + d`` and ``d = b``
+    (Nesterov: ``d + mu b``)."""
+
+    lr: float | Callable[[int], float] = 1e-2
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        if self.nesterov and not self.momentum:
+            raise SpecError("Nesterov momentum needs momentum > 0")
+        self.slots = ("momentum",) if self.momentum else ()
+
+    def update(self, db, name, w, g, state, scalars):
+        wd, mu = self.decay(name), self.momentum
+        if not mu:
+            return {"param": _ew(db, [w, g, scalars["lr"]], 1, f"x0 - x2 * {_decayed('x1', 'x0', wd)}")}
+        buf = _ew(db, [state["momentum"], g, w], 0, f"{_f(mu)} * x0 + {_decayed('x1', 'x2', wd)}")
+        step = f"({_decayed('x2', 'x0', wd)} + {_f(mu)} * x1)" if self.nesterov else "x1"
+        return {"param": _ew(db, [w, buf, g, scalars["lr"]], 1, f"x0 - x3 * {step}"), "momentum": buf}
+
+
+@dataclass
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) as PyTorch computes it: ``m = b1 m + (1-b1) d``,
+    ``v = b2 v + (1-b2) d^2``, ``W -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` with
+    ``d = g + wd W`` and bias corrections ``bc = 1 - beta^t``."""
+
+    lr: float | Callable[[int], float] = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    slots: tuple[str, ...] = ("m", "v")
+
+    decoupled = False
+
+    def scalars(self, step):
+        b1, b2 = self.betas
+        lr = self.rate(step)
+        return {"lr": lr, "step_size": lr / (1 - b1 ** step), "inv_bc2": 1 / math.sqrt(1 - b2 ** step)}
+
+    def update(self, db, name, w, g, state, scalars):
+        b1, b2 = self.betas
+        wd = 0.0 if self.decoupled else self.decay(name)
+        d = _decayed("x1", "x2", wd)
+        m = _ew(db, [state["m"], g, w], 0, f"{_f(b1)} * x0 + {_f(1 - b1)} * {d}")
+        v = _ew(db, [state["v"], g, w], 0, f"{_f(b2)} * x0 + {_f(1 - b2)} * {d} * {d}")
+        step = f"x3 * x1 / (sqrt(x2) * x4 + {_f(self.eps)})"
+        if self.decoupled and self.decay(name):
+            new = _ew(db, [w, m, v, scalars["step_size"], scalars["inv_bc2"], scalars["lr"]], 3,
+                      f"x0 - x5 * {_f(self.decay(name))} * x0 - {step}")
+        else:
+            new = _ew(db, [w, m, v, scalars["step_size"], scalars["inv_bc2"]], 2, f"x0 - {step}")
+        return {"param": new, "m": m, "v": v}
+
+
+@dataclass
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``W -= lr * wd * W`` besides the Adam step."""
+
+    decoupled = True

@@ -1,0 +1,146 @@
+"""Ordinary tables viewed as sparse tensor relations, without copying.
+
+``relation(db, "edges", keys=("dst", "src"), value="w", shape=(N, N))`` creates a VIEW with
+the tensor-relation columns ``k0, k1, tile`` over table ``edges`` and a catalog row, so the
+table's rows are the nonzeros of an (N, N) tensor and joins against it are ordinary einsums:
+
+- with ``tile=None`` every row is one 1x1 tile: ``tra_pack(value)`` reinterprets the value
+  column's bytes, and absent keys are zeros under sum-of-products (inner-join semantics for
+  other joins, see ``Session.einsum``);
+- with a ``tile`` shape, rows are grouped into dense blocks (``tra_pack_tile``); absent
+  blocks are zeros, and elements inside a block that no row names are zeros too.
+
+Keys must be integers in ``[0, n)``; rows outside ``shape`` are not part of the tensor.
+Rows with the same keys add up when ``sum_duplicates`` (or when blocked); otherwise each row
+is a tile of its own, which sum-of-products also adds up but which other joins see twice.
+``value=None`` means 1.0 per row (an adjacency or incidence relation).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import numpy as np
+from sqlglot import exp
+
+from tra_sql import catalog
+from tra_sql.errors import ShapeError, SpecError, TensorExistsError, UnknownTensorError
+
+if TYPE_CHECKING:
+    from tra_sql.session import Session
+    from tra_sql.tensor import Tensor
+
+PACK = {"float64": "tra_pack", "float32": "tra_pack_f32"}
+UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile")
+
+
+def ensure_udfs(db: Session) -> None:
+    """Register the UDFs relation views call (needed once per connection)."""
+    db.ensure_udfs(UDFS)
+
+
+def _column(name: str) -> exp.Expression:
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"relation column {name!r} must be a column name")
+    return exp.column(name, quoted=True)
+
+
+def _shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
+    """``max(key) + 1`` per key column."""
+    select = exp.select(*[exp.Max(this=_column(k)) for k in keys]).from_(exp.to_table(table))
+    row = db.con.execute(select.sql(dialect="duckdb")).fetchall()[0]
+    if any(v is None for v in row):
+        raise ShapeError(f"relation over {table!r} is empty: give its shape")
+    return tuple(int(v) + 1 for v in row)
+
+
+def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tuple[int, ...],
+                dtype: np.dtype, tile: tuple[int, ...], sum_duplicates: bool) -> exp.Select:
+    """The SELECT producing ``k0.., tile`` from ``table``."""
+    cols = [exp.cast(_column(k), "BIGINT") for k in keys]
+    val = exp.cast(_column(value), "DOUBLE") if value is not None else exp.Literal.number("1.0")
+    inside = [exp.Between(this=c.copy(), low=exp.Literal.number(0), high=exp.Literal.number(n - 1))
+              for c, n in zip(cols, shape)]
+    where = exp.and_(*inside, *([exp.Not(this=exp.Is(this=val.copy(), expression=exp.Null()))]
+                                if value is not None else []))
+    source = exp.to_table(table)
+    if all(t == 1 for t in tile):
+        if sum_duplicates:
+            val = exp.Sum(this=val)
+        packed = exp.Anonymous(this=PACK[dtype.name], expressions=[val])
+        select = exp.select(*[exp.alias_(exp.cast(c, "INTEGER"), f"k{d}") for d, c in enumerate(cols)],
+                            exp.alias_(packed, "tile")).from_(source).where(where)
+        return select.group_by(*[c.copy() for c in cols]) if sum_duplicates else select
+    blocks = [exp.IntDiv(this=c.copy(), expression=exp.Literal.number(t)) for c, t in zip(cols, tile)]
+    meta = json.dumps({"name": "relation", "dtype": dtype.name, "shape": list(shape), "tile": list(tile)})
+    packed = exp.Anonymous(this="tra_pack_tile", expressions=[
+        exp.Literal.string(meta), exp.Array(expressions=[b.copy() for b in blocks]),
+        exp.ArrayAgg(this=exp.Array(expressions=[c.copy() for c in cols])), exp.ArrayAgg(this=val)])
+    select = exp.select(*[exp.alias_(exp.cast(b, "INTEGER"), f"k{d}") for d, b in enumerate(blocks)],
+                        exp.alias_(packed, "tile")).from_(source).where(where)
+    return select.group_by(*[b.copy() for b in blocks])
+
+
+def _kind(con, name: str) -> str | None:
+    """``"VIEW"``, ``"TABLE"`` or None for an object ``name`` in the current schema."""
+    rows = con.execute(
+        "SELECT 'VIEW' FROM duckdb_views() WHERE lower(view_name) = lower(?) AND NOT internal "
+        "AND schema_name = current_schema() UNION ALL "
+        "SELECT 'TABLE' FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
+        "AND schema_name = current_schema()", [name, name]).fetchall()
+    return rows[0][0] if rows else None
+
+
+def relation(db: Session, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
+             dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False) -> Tensor:
+    """View ``table`` as a tensor relation named ``name`` (default ``<table>_<keys...>``):
+    one dimension per column in ``keys``, the nonzeros from column ``value`` (1.0 if None).
+    ``shape`` defaults to ``max(key) + 1`` per column."""
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    if not keys:
+        raise SpecError("a relation needs at least one key column")
+    dtype = catalog.check_dtype(dtype)
+    if dtype.name not in PACK:
+        raise SpecError(f"relation values are floating point (float32 or float64), not {dtype}")
+    name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
+    if name.lower() == table.lower():
+        raise SpecError(f"relation {name!r} would replace the table it views (names are case-insensitive)")
+    shape = _shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
+    if len(shape) != len(keys):
+        raise ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
+    tile = catalog.check_tile(shape, (1,) * len(shape) if tile is None else tile, name)
+    select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates)
+    ensure_udfs(db)
+    con = db.con
+    con.execute("BEGIN TRANSACTION").fetchall()
+    try:
+        kind = _kind(con, name)
+        if kind and not replace:
+            raise TensorExistsError(f"a table or view named '{name}' exists already; pass replace=True")
+        if kind:
+            con.execute(f'DROP {kind} "{name}"').fetchall()
+        con.execute(f"DELETE FROM {catalog.CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]).fetchall()
+        con.execute(f'CREATE VIEW "{name}" AS {select.sql(dialect="duckdb")}').fetchall()
+        con.execute(f"INSERT INTO {catalog.CATALOG_TABLE} VALUES (?, ?, ?, ?)",
+                    [name, dtype.name, list(shape), list(tile)]).fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise
+    return db.tensor(name)
+
+
+def drop_relation(db: Session, name: str) -> None:
+    """Drop a relation view and its catalog row (the underlying table stays)."""
+    con = db.con
+    if _kind(con, name) != "VIEW":
+        raise UnknownTensorError(f"no relation view named '{name}'")
+    con.execute("BEGIN TRANSACTION").fetchall()
+    try:
+        con.execute(f'DROP VIEW "{name}"').fetchall()
+        con.execute(f"DELETE FROM {catalog.CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]).fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise
