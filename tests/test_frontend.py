@@ -315,3 +315,15 @@ def test_existing_table_needs_replace(db, ab):
     db.sql("CREATE OR REPLACE TENSOR plain AS SELECT * FROM A")
     assert "plain" in db.tensors()
     assert issubclass(TensorExistsError, tra_sql.TraError)
+
+
+def test_grad_in_sql(db):
+    w = np.arange(6.0).reshape(2, 3)
+    x = np.linspace(-1, 1, 6).reshape(3, 2)
+    db.from_numpy("W", w, tile=(1, 2))
+    db.from_numpy("X", x)
+    db.sql("""CREATE TENSOR dW AS SELECT * FROM grad(einsum('ij,jk->', W, X, "join" => 'pow(x0 * x1, 2)'), W)""")
+    # d/dW_ij of sum_ijk (W_ij X_jk)^2 = sum_k 2 W_ij X_jk^2
+    np.testing.assert_allclose(db.tensor("dW").numpy(), 2 * w * (x**2).sum(axis=1))
+    with pytest.raises(tra_sql.TraError, match="grad"):
+        db.sql("SELECT * FROM grad(W)")

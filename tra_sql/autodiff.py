@@ -334,8 +334,3 @@ def detach(db: Session, tensor: Tensor) -> Tensor:
     from tra_sql.tensor import Tensor
 
     return Tensor(db, stop_gradient(db._node(tensor)[0]))
-
-
-def grad_tensor(db: Session, loss_name: str, wrt_name: str) -> Tensor:
-    """Hook for the SQL front end: ``grad(loss, W)`` as a lazy Tensor."""
-    return grad(db, db.tensor(loss_name), db.tensor(wrt_name))

@@ -4,6 +4,7 @@ Statements are DuckDB SQL plus the following (options are named arguments, writt
 ``name => value`` or ``name := value``; quote ``"join"``, it is a keyword)::
 
     SELECT ... FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 + x1'] [, agg => 'max']) [AS e]
+    SELECT ... FROM grad(<loss>, <W>)                   -- d loss / d W, itself a tensor relation
     SELECT ... FROM tra_random(shape => [4, 3] [, tile => [2, 2]] [, seed => 0]
                                [, dtype => 'float64'] [, dist => 'uniform' | 'normal'])
     SELECT ... FROM tra_from_elements(<table> | (<query>), shape => [4, 3]
@@ -69,10 +70,11 @@ if TYPE_CHECKING:
     from tra_sql.session import Session
 
 DIALECT = Dialect.get_or_raise("duckdb")
-TENSOR_FUNCTIONS = ("einsum", "tra_random", "tra_from_elements")
+TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements")
 FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements",)
 OPTIONS = {
     "einsum": ("join", "agg"),
+    "grad": (),
     "tra_random": ("shape", "tile", "seed", "dtype", "dist"),
     "tra_from_elements": ("shape", "tile", "dtype"),
     "tra_elements": (),
@@ -292,6 +294,7 @@ class Rewriter:
         self.session = session
         self.literals: dict[str, exp.Select] = {}
         self.counter = itertools.count(1)
+        self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
 
     @contextmanager
     def blame(self, call: exp.Expression) -> Iterator[None]:
@@ -326,7 +329,13 @@ class Rewriter:
                        f"({', '.join(TENSOR_FUNCTIONS)})")
 
     def stored(self, name: str) -> Tensor:
-        """The stored tensor ``name`` (case-insensitive, like DuckDB's identifiers)."""
+        """The stored tensor ``name`` (case-insensitive, like DuckDB's identifiers); the same
+        Tensor each time it is named in the statement."""
+        if name.lower() not in self.named:
+            self.named[name.lower()] = self._lookup(name)
+        return self.named[name.lower()]
+
+    def _lookup(self, name: str) -> Tensor:
         try:
             return self.session.tensor(name)
         except UnknownTensorError:
@@ -346,6 +355,17 @@ class Rewriter:
         agg = _string(options["agg"], "agg") if "agg" in options else "sum"
         operands = [self.tensor(a) for a in args[1:]]
         return self.session.einsum(spec, *operands, join=join, agg=agg)
+
+    def _grad(self, call: exp.Anonymous) -> Tensor:
+        """``grad(loss, W)``: the gradient of the scalar tensor ``loss`` with respect to ``W``
+        (both stored tensors or nested tensor functions), a relational program itself."""
+        from tra_sql import autodiff
+
+        args, _ = _arguments(call)
+        if len(args) != 2:
+            raise SpecError("grad() takes two tensors: grad(loss, W)")
+        loss, wrt = (self.tensor(a) for a in args)
+        return autodiff.grad(self.session, loss, wrt)
 
     def _geometry(self, fname: str, args, options, dtype: str) -> TensorInfo:
         if "shape" in options and args:
