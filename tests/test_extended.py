@@ -15,7 +15,8 @@ JOINS = {
     2: [("x0 + x1", np.add), ("x0 - x1", np.subtract), ("greatest(x0 + x1, 2)", lambda a, b: np.maximum(a + b, 2)),
         ("exp(x0 - x1)", lambda a, b: np.exp(a - b)), ("least(x0, x1)", np.minimum),
         ("pow(x0 - x1, 2)", lambda a, b: (a - b) ** 2), ("ln(x0) * log(x1)", lambda a, b: np.log(a) * np.log10(b))],
-    3: [("x0 * x1 + x2", lambda a, b, c: a * b + c), ("greatest(x0, x1, x2)", lambda a, b, c: np.maximum(np.maximum(a, b), c))],
+    3: [("x0 * x1 + x2", lambda a, b, c: a * b + c),
+        ("greatest(x0, x1, x2)", lambda a, b, c: np.maximum(np.maximum(a, b), c))],
 }
 REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
