@@ -1,0 +1,279 @@
+"""The Spark backend: the same programs on Spark SQL (local[2], then a standalone master with
+two workers on 127.0.0.1) give DuckDB's results; tensors move between the engines; a worker
+killed mid-query does not change the answer. Skipped without pyspark or Java."""
+
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("pyspark")
+if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+    pytest.skip("the Spark tests need Java", allow_module_level=True)
+
+import tra_sql  # noqa: E402
+from tra_sql import graph  # noqa: E402
+from tra_sql.backends import spark_sql, transfer  # noqa: E402
+from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
+from tra_sql.tensor import Tensor  # noqa: E402
+
+SMALL = {"driver_memory": "1g", "config": {"spark.sql.shuffle.partitions": "2"}}
+
+
+class Apps:
+    """One Spark application per process: switching between local mode and the cluster stops
+    the running one first."""
+
+    def __init__(self):
+        self.key, self.db = None, None
+
+    def get(self, key, make):
+        if self.key != key:
+            self.close()
+            self.key, self.db = key, make()
+        return self.db
+
+    def close(self):
+        if self.db is not None:
+            self.db.close()
+        self.key, self.db = None, None
+
+
+@pytest.fixture(scope="module")
+def apps():
+    manager = Apps()
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def sdb(apps):
+    return apps.get("local", lambda: tra_sql.connect(engine="spark", master="local[2]", **SMALL))
+
+
+@pytest.fixture(scope="module")
+def cluster(apps):
+    with StandaloneCluster(workers=2, cores=1, memory="1g") as running:
+        yield running
+        apps.close()  # the application before its cluster
+
+
+@pytest.fixture
+def cdb(apps, cluster):
+    def make():
+        db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory="512m", executor_cores=1,
+                             driver_memory="1g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "2"})
+        db.wait_for_executors(2)
+        return db
+    return apps.get("cluster", make)
+
+
+@pytest.fixture
+def duck():
+    db = tra_sql.connect()
+    yield db
+    db.close()
+
+
+def arrays():
+    rng = np.random.default_rng(7)
+    return {"A": rng.standard_normal((37, 29)), "B": rng.standard_normal((29, 23)),
+            "V": rng.standard_normal(23), "I": rng.integers(-5, 5, (9, 6)).astype(np.int64)}
+
+
+def load(db, prefix: str):
+    """The test tensors, stored in ``db`` under ``prefix``; tiles split the contraction."""
+    data = arrays()
+    tiles = {"A": (16, 8), "B": (8, 16), "V": 16, "I": (4, 4)}
+    return {k: db.from_numpy(prefix + k, v, tile=tiles[k], replace=True) for k, v in data.items()}
+
+
+def programs(db, t, full: bool = True):
+    """The same programs on any engine: name -> lazy tensor. The first three are the cluster's;
+    the rest cover every other op kind once (slice and concat, reshape, add, constants)."""
+    out = {
+        "matmul_split": db.einsum("ij,jk->ik", t["A"], t["B"]),
+        "retile": t["A"].retile((10, 7)),
+        "join_agg": db.einsum("ij,jk->ik", t["A"], t["B"], join="greatest(x0 + x1, 0)", agg="max"),
+    }
+    if full:
+        out |= {
+            "chain": db.einsum("ij,jk,k->i", t["A"], t["B"], t["V"]),
+            "reduce": db.einsum("ij->", t["A"]),
+            "ints": db.einsum("ij,kj->ik", t["I"], t["I"]),
+            "concat_slice": db.concat([t["A"][:5], t["A"][30:]], axis=0),
+            "reshape_add_full": db.add(t["B"].reshape(23, 29), db.full((23, 29), 2.0, tile=(8, 16))),
+        }
+    return out
+
+
+def expected(full: bool = True):
+    d = arrays()
+    a, b = d["A"], d["B"]
+    out = {"matmul_split": a @ b, "retile": a,
+           "join_agg": np.maximum(a[:, :, None] + b[None], 0).max(axis=1)}
+    if full:
+        out |= {"chain": a @ b @ d["V"], "reduce": a.sum(), "ints": d["I"] @ d["I"].T,
+                "concat_slice": np.concatenate([a[:5], a[30:]]), "reshape_add_full": b.reshape(23, 29) + 2.0}
+    return out
+
+
+# -- local[2] ---------------------------------------------------------------------------------
+
+def test_connect_and_budget(sdb):
+    assert sdb.engine == "spark" and isinstance(sdb, tra_sql.Session)
+    assert sdb.budget() == (2, 2**30 / 2)
+    assert sdb.budget(4, "1GB") == (4, 1e9)
+
+
+def test_programs_equal_duckdb(sdb, duck):
+    want = expected()
+    ours = {k: v.numpy() for k, v in programs(sdb, load(sdb, "p")).items()}
+    theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "p")).items()}
+    for k in want:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-12, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(ours[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+    assert ours["ints"].dtype == np.int64
+
+
+def test_grouped_aggregate_for_big_groups(sdb, duck):
+    """Steps whose groups hold many tile bytes run as a grouped aggregate UDF; same results."""
+    t, ref = load(sdb, "g"), programs(duck, load(duck, "g"), full=False)
+    sdb.group_bytes = 0
+    try:
+        for k in ("matmul_split", "join_agg"):
+            step = programs(sdb, t, full=False)[k]
+            assert "TRA_EINSUM_GROUP_2(" in sdb.sql_text(step.program())
+            np.testing.assert_allclose(step.numpy(), ref[k].numpy(), rtol=1e-12, atol=1e-12, err_msg=k)
+    finally:
+        sdb.group_bytes = spark_sql.GROUP_BYTES
+    assert "COLLECT_LIST(" in sdb.sql_text(programs(sdb, t, full=False)["matmul_split"].program())
+
+
+def test_spark_sql_text(sdb):
+    t = load(sdb, "q")
+    text = sdb.sql_text(t["A"].retile((10, 7)).reshape(37 * 29).program())
+    assert "MATERIALIZED" not in text and "COLLECT_LIST(p.piece)" in text and "STRUCT(" in text and " DIV " in text
+    assert "AS MATERIALIZED" in t["A"].retile((10, 7)).reshape(37 * 29).sql("duckdb")
+
+
+def test_store_catalog_and_drop(sdb):
+    t = load(sdb, "s")
+    c = sdb.einsum("ij,jk->ik", t["A"], t["B"]).store("sC", replace=True)
+    assert c.name == "sC" and "sC" in sdb.tensors()
+    np.testing.assert_allclose(sdb.tensor("sc").numpy(), arrays()["A"] @ arrays()["B"], rtol=1e-12)
+    row = sdb.sql("SELECT * FROM tra_tensors WHERE name = 'sC'").collect()[0]
+    assert (row.dtype, row.shape, row.tile_shape) == ("float64", [37, 23], [16, 16])
+    types = dict(sdb.sql("SELECT * FROM sC").dtypes)
+    assert types == {"k0": "int", "k1": "int", "tile": "binary"}
+    with pytest.raises(tra_sql.TensorExistsError):
+        sdb.from_numpy("sC", np.zeros(3))
+    sdb.drop("sC")
+    assert "sC" not in sdb.tensors() and not sdb.spark.catalog.tableExists("sC")
+    with pytest.raises(tra_sql.UnknownTensorError):
+        sdb.tensor("sC")
+
+
+def test_warehouse_reopens(sdb):
+    sdb.from_numpy("wX", np.arange(12.0).reshape(3, 4), tile=2, replace=True)
+    sdb.spark.sql("DROP TABLE wX")  # as if a new Spark application opened the warehouse
+    again = tra_sql.connect(sdb.warehouse.root, engine="spark", spark=sdb.spark)
+    np.testing.assert_array_equal(again.tensor("wX").numpy(), np.arange(12.0).reshape(3, 4))
+
+
+def test_udf_errors_keep_their_class(sdb):
+    sdb.from_numpy("bad", np.ones((4, 4)), tile=2, replace=True)
+    path = sdb.warehouse.path("bad")
+    table = pq.read_table(path)
+    tiles = table.column("tile").to_pylist()
+    tiles[0] = tiles[0][:-8]
+    pq.write_table(table.set_column(2, "tile", pa.array(tiles, pa.large_binary())),
+                           next(path.glob("*.parquet")))
+    sdb.spark.sql("REFRESH TABLE bad")
+    with pytest.raises(tra_sql.CorruptTileError, match="bad"):
+        sdb.einsum("ij,jk->ik", "bad", "bad").numpy()
+
+
+def test_plan_uses_the_session_budget(sdb):
+    t = load(sdb, "pl")
+    c = sdb.einsum("ij,jk->ik", t["A"], t["B"])
+    plan = sdb.plan(c)
+    assert (plan.workers, plan.memory) == (2, 2**30 / 2)
+
+
+def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
+    a = arrays()["A"].astype(np.float32)
+    duck.from_numpy("cA", a, tile=(16, 8))
+    duck.con.execute("CREATE TABLE edges AS SELECT i AS dst, (i * 7) % 10 AS src, i / 2 AS w, 'e' || i AS label "
+                     "FROM range(100) t(i)")
+    transfer.copy(duck, sdb, "cA", replace=True)
+    transfer.copy(duck, sdb, "edges", replace=True)
+    np.testing.assert_array_equal(sdb.tensor("cA").numpy(), a)
+    assert sdb.sql("SELECT count(*) AS n, sum(w) AS s FROM edges").collect()[0] == (100, 2475.0)
+    sdb.einsum("ij,kj->ik", "cA", "cA").store("cG", replace=True)
+    transfer.copy(sdb, duck, "cG")
+    transfer.copy(sdb, duck, "edges", to="edges2")
+    np.testing.assert_allclose(duck.tensor("cG").numpy(), a @ a.T, rtol=1e-4, atol=1e-4)
+    assert duck.con.execute("SELECT * FROM edges2 EXCEPT SELECT * FROM edges").fetchall() == []
+    assert duck.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
+    with pytest.raises(tra_sql.TensorExistsError):
+        transfer.copy(sdb, duck, "cG")
+
+
+# -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
+
+def test_cluster_equals_duckdb(cdb, duck):
+    assert cdb.executors() == 2 and cdb.budget() == (2, 512 * 2**20)
+    want = expected(full=False)
+    theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "k"), full=False).items()}
+    for k, v in programs(cdb, load(cdb, "k"), full=False).items():
+        np.testing.assert_allclose(v.numpy(), theirs[k], rtol=1e-12, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(theirs[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+
+
+def test_worker_killed_mid_query(cdb, cluster):
+    """Kill one worker (its executor and Python workers with it) while both run tasks of a
+    matmul: Spark reruns the lost tasks on the other worker and the result is right."""
+    def slow(tiles):  # pickled by value: the executors cannot import this test module
+        time.sleep(1.5)
+        return tiles
+
+    from pyspark.sql.functions import arrow_udf
+    cdb.spark.udf.register("tra_test_slow", arrow_udf(slow, "binary"))
+    t = load(cdb, "f")
+    cdb.sql("CREATE OR REPLACE TEMPORARY VIEW f_slow AS SELECT k0, k1, tra_test_slow(tile) AS tile "
+            "FROM (SELECT /*+ REPARTITION(6) */ * FROM fA)")
+    a = t["A"]
+    slow_a = Tensor(cdb, graph.Source(a.shape, a.dtype, a.tile, "f_slow"))
+    product = cdb.einsum("ij,jk->ik", slow_a, t["B"])
+    result, failure = [], []
+
+    def run():
+        try:
+            result.append(product.numpy())
+        except Exception as err:  # noqa: BLE001 - reported below
+            failure.append(err)
+
+    tracker = cdb.spark.sparkContext.statusTracker()
+    query = threading.Thread(target=run)
+    query.start()
+    deadline = time.monotonic() + 120
+    while max((getattr(tracker.getStageInfo(s), "numActiveTasks", 0) for s in tracker.getActiveStageIds()),
+              default=0) < 2:
+        assert query.is_alive() and time.monotonic() < deadline, "the query never ran on both workers"
+        time.sleep(0.05)
+    stages = set(tracker.getActiveStageIds())
+    cluster.kill_worker(0)
+    deadline = time.monotonic() + 240
+    while query.is_alive() and time.monotonic() < deadline:
+        stages |= set(tracker.getActiveStageIds())
+        query.join(timeout=0.05)
+    assert not query.is_alive() and not failure, failure
+    np.testing.assert_allclose(result[0], arrays()["A"] @ arrays()["B"], rtol=1e-12)
+    assert cdb.executors() == 1
+    assert any(tracker.getStageInfo(s).currentAttemptId > 0 for s in stages), "no stage was rerun"

@@ -1,0 +1,276 @@
+"""Spark SQL as the engine: ``tra_sql.connect(engine="spark", master=...)``.
+
+The pipeline is DuckDB's: the same lazy graph, the same ``Program`` of sqlglot expressions
+rendered in Spark's dialect (``COLLECT_LIST(STRUCT(...))`` for ``ARRAY_AGG({...})``, ``DIV`` for
+``//``, plain CTEs), the same tile kernels registered as scalar Arrow UDFs. Tensor relations
+are Parquet tables in a warehouse directory (``tra_sql.backends.warehouse``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from tra_sql import catalog, errors, graph
+from tra_sql.backends import spark_udfs
+from tra_sql.backends.spark_sql import GROUP_BYTES, spark_query
+from tra_sql.backends.warehouse import Warehouse, write_parquet
+from tra_sql.catalog import TensorInfo
+from tra_sql.errors import ExecutionError, TraError
+from tra_sql.session import Session
+from tra_sql.sqlgen import Program
+from tra_sql.tensor import Tensor
+
+#: One kernel thread per task: Spark runs one task per core.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+class DuckDBOnlyError(ExecutionError, AttributeError):
+    """A DuckDB-only feature was used on a Spark session."""
+
+
+def jvm_bytes(text: str) -> float:
+    """A JVM memory size (``512m``, ``2g``; binary units, bytes if bare) in bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", str(text).lower())
+    if not match:
+        raise errors.SpecError(f"cannot read {text!r} as a JVM memory size (e.g. '512m', '2g')")
+    return float(int(match.group(1)) << (10 * " kmgt".index(match.group(2) or " ")))
+
+
+def connect(warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
+            driver_memory: str = "1g", executor_memory: str = "1g", executor_cores: int | None = None,
+            config: dict | None = None, spark=None) -> SparkTraSession:
+    """A tra_sql session on Spark. ``master``: ``local[N]`` or ``spark://host:port``;
+    ``warehouse``: the directory holding the tensor tables (a temporary one, removed on
+    ``close()``, if None or ``":memory:"``); ``config``: more Spark settings. ``spark``: use
+    this running ``pyspark.sql.SparkSession`` instead of starting one (it is not stopped on
+    ``close()``; its static settings are its own, and Arrow large binary types are switched
+    on in it)."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise TraError("engine='spark' needs pyspark and Java 17: pip install pyspark==4.3.0") from None
+    temporary = warehouse in (None, ":memory:")
+    root = Path(tempfile.mkdtemp(prefix="tra_spark_") if temporary else os.fspath(warehouse)).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    owns = spark is None
+    if owns:
+        spark = _start(master, app_name, root, driver_memory, executor_memory, executor_cores, dict(config or {}))
+    spark.conf.set("spark.sql.execution.arrow.useLargeVarTypes", "true")
+    try:
+        return SparkTraSession(spark, root, owns=owns, temporary=temporary)
+    except BaseException:
+        if owns:
+            spark.stop()
+        raise
+
+
+def _start(master, app_name, root: Path, driver_memory, executor_memory, executor_cores, config: dict):
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkContext._active_spark_context
+    if active is not None:
+        raise TraError(f"a Spark application ({active.master}) is running in this process: close its "
+                       f"session first, or pass it as connect(engine='spark', spark=...)")
+    settings = {
+        "spark.master": master, "spark.app.name": app_name, "spark.driver.memory": driver_memory,
+        "spark.executor.memory": executor_memory, "spark.sql.warehouse.dir": str(root),
+        "spark.pyspark.python": sys.executable, "spark.pyspark.driver.python": sys.executable,
+        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.log.level": "ERROR",
+        "spark.sql.shuffle.partitions": "8", "spark.sql.execution.arrow.useLargeVarTypes": "true",
+        "spark.sql.execution.arrow.maxBytesPerBatch": str(256 << 20),  # per kernel call, as rows allow
+        # collect_list of tiles: sort-based aggregation holds one group at a time and spills;
+        # the hash aggregate holds every group's list at once and runs out of heap on MB tiles
+        "spark.sql.execution.useObjectHashAggregateExec": "false",
+    }
+    if executor_cores is not None:
+        settings["spark.executor.cores"] = str(executor_cores)
+    if master.startswith("local") or any(f"//{host}:" in master for host in LOOPBACK):
+        settings["spark.driver.host"] = settings["spark.driver.bindAddress"] = "127.0.0.1"
+    for var in THREAD_ENV:
+        settings[f"spark.executorEnv.{var}"] = "1"
+    if os.environ.get("TRA_SQL_CACHE_DIR"):
+        settings["spark.executorEnv.TRA_SQL_CACHE_DIR"] = os.environ["TRA_SQL_CACHE_DIR"]
+    settings.update({k: str(v) for k, v in config.items()})
+    builder = SparkSession.builder
+    for k, v in settings.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(settings["spark.log.level"])
+    # PySpark takes the Python of the UDF workers from $PYSPARK_PYTHON (else "python3"), not
+    # from spark.pyspark.python, when the driver is a plain Python process.
+    spark.sparkContext.pythonExec = os.environ.get("PYSPARK_PYTHON", settings["spark.pyspark.python"])
+    return spark
+
+
+class SparkTraSession(Session):
+    """Tensor relations in a Spark warehouse; programs run as Spark SQL. Use
+    ``tra_sql.connect(engine="spark", ...)`` to make one. Building programs, ``numpy()``,
+    ``arrow()``, ``store()``, ``grad()`` work as on DuckDB; ``sql()`` runs plain Spark SQL."""
+
+    engine = "spark"
+
+    def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
+        self.spark = spark
+        self.warehouse = Warehouse(root, spark)
+        self._owns = owns
+        self._temporary = temporary
+        self._udfs: set[str] = set()
+        #: fused join + aggregate steps whose groups hold more tile bytes than this run as a
+        #: grouped aggregate UDF (bounded memory) instead of over a list per group
+        self.group_bytes = GROUP_BYTES
+
+    @property
+    def con(self):
+        raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
+                              "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
+                              "tensor SQL syntax, relation(), parameter(), train(), calibrate())")
+
+    def close(self) -> None:
+        if self._owns:
+            self.spark.stop()
+        if self._temporary:
+            shutil.rmtree(self.warehouse.root, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"<tra_sql Spark session {self.spark.sparkContext.master} warehouse={self.warehouse.root}>"
+
+    # -- tensors in and out -------------------------------------------------------------
+    def from_numpy(self, name: str, array, tile=None, *, replace: bool = False) -> Tensor:
+        """Store ``array`` as tensor relation ``name`` cut into tiles of shape ``tile``."""
+        catalog.check_name(name)
+        array = np.asarray(array)
+        info = TensorInfo(name, catalog.check_dtype(array.dtype), array.shape,
+                          catalog.check_tile(array.shape, tile, name))
+        tiles = catalog.tile_table(array, info.tile)
+        self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
+        return self.tensor(name)
+
+    def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
+        """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
+        every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
+        info = TensorInfo(catalog.check_name(name), catalog.check_dtype(dtype), tuple(shape),
+                          catalog.check_tile(tuple(shape), tile, name))
+        expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
+        if tiles.column_names != expected:
+            raise errors.ShapeError(f"tile table for '{name}' must have columns {expected}, "
+                                    f"got {tiles.column_names}")
+        catalog.assemble(info, tiles)
+        schema = pa.schema([(k, pa.int32()) for k in expected[:-1]] + [("tile", pa.large_binary())])
+        tiles = tiles.cast(schema)
+        self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
+        return self.tensor(name)
+
+    def tensor(self, name: str) -> Tensor:
+        """The stored tensor relation ``name``."""
+        info = self.warehouse.lookup(name)
+        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name))
+
+    def tensors(self) -> list[str]:
+        return self.warehouse.tensors()
+
+    def drop(self, name: str) -> None:
+        """Drop tensor relation ``name`` and its catalog row."""
+        self.warehouse.drop(self.warehouse.lookup(name).name)
+
+    # -- running ------------------------------------------------------------------------
+    def ensure_udfs(self, names) -> None:
+        """Register the named tile UDFs on this Spark session, once each."""
+        missing = set(names) - self._udfs
+        spark_udfs.register(self.spark, sorted(missing))
+        self._udfs |= missing
+
+    def sql_text(self, program: Program) -> str:
+        """The Spark SQL this session runs for ``program`` (see ``spark_sql``)."""
+        return spark_query(program, self.group_bytes)[0]
+
+    def frame(self, program: Program):
+        """``program`` as a (lazy) Spark DataFrame with columns ``k0..`` (INT) and ``tile``."""
+        text, udfs = spark_query(program, self.group_bytes)
+        self.ensure_udfs(udfs)
+        keys = [f"CAST(k{d} AS INT) AS k{d}" for d in range(len(program.root.shape))]
+        try:
+            return self.spark.sql(text).selectExpr(*keys, "tile")
+        except Exception as err:
+            raise spark_udfs.translate(err, f"planning {program.root.label}") from None
+
+    def run(self, program: Program) -> pa.Table:
+        """Execute a program; its tile relation as an Arrow table."""
+        frame = self.frame(program)
+        try:
+            return frame.toArrow()
+        except Exception as err:
+            raise spark_udfs.translate(err, f"computing {program.root.label}") from None
+
+    def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
+        frame = self.frame(tensor.program())
+        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+        try:
+            self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
+        except TraError:
+            raise
+        except Exception as err:
+            raise spark_udfs.translate(err, f"storing '{name}'") from None
+        return self.tensor(name)
+
+    def sql(self, text: str, params=None):
+        """Run plain Spark SQL (no tensor syntax yet); a Spark DataFrame."""
+        try:
+            return self.spark.sql(text, args=params)
+        except Exception as err:
+            raise spark_udfs.translate(err, "SQL") from None
+
+    # -- cluster resources, for the planner ---------------------------------------------
+    def executors(self) -> int:
+        """Executors registered now (local mode: 1, the driver)."""
+        sc = self.spark.sparkContext
+        if sc.master.startswith("local"):
+            return 1
+        return max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)
+
+    def wait_for_executors(self, count: int, timeout: float = 60.0) -> None:
+        """Block until ``count`` executors have registered."""
+        deadline = time.monotonic() + timeout
+        while self.executors() < count:
+            if time.monotonic() > deadline:
+                raise ExecutionError(f"only {self.executors()} of {count} Spark executors registered "
+                                     f"within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def budget(self, workers: int | None = None, memory=None) -> tuple[int, float]:
+        """(workers, bytes per worker) for EinDecomp: the total executor cores (``local[N]``:
+        N) and executor memory (local: driver memory) over the cores of one executor."""
+        conf = self.spark.sparkContext.getConf()
+        master = conf.get("spark.master", "local[*]")
+        local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
+        if local:
+            n = local.group(1)
+            cores = 1 if n is None else (os.cpu_count() or 1) if n == "*" else int(n)
+            per_executor, heap = cores, conf.get("spark.driver.memory", "1g")
+        else:
+            per_executor, executors = int(conf.get("spark.executor.cores", "0")), self.executors()
+            cores = executors * per_executor if per_executor and executors else \
+                self.spark.sparkContext.defaultParallelism
+            per_executor = per_executor or max(1, cores // max(1, executors))
+            heap = conf.get("spark.executor.memory", "1g")
+        if memory is not None:
+            from tra_sql.decompose.cost import parse_bytes
+            return int(workers or cores), parse_bytes(memory)
+        return int(workers or cores), jvm_bytes(heap) / per_executor
+
+    def plan(self, tensor: Tensor, workers: int | None = None, memory=None):
+        """EinDecomp for this Spark application (see ``budget()``), with default constants."""
+        from tra_sql.decompose.cost import Constants
+        from tra_sql.decompose.plan import make_plan
+        workers, per_worker = self.budget(workers, memory)
+        return make_plan(tensor.node, workers, per_worker, Constants())

@@ -1,0 +1,87 @@
+"""The tile UDFs of ``tra_sql.udfs`` registered on Spark as scalar Arrow UDFs.
+
+The Python functions are the ones DuckDB calls: a batch of rows comes in as one
+``pyarrow.Array`` per argument (binary tiles, key lists, lists of structs, the constant JSON
+``meta``), the kernels work on zero-copy NumPy views, and one ``pyarrow.Array`` of result
+tiles goes back. Spark ships them to the executors' Python workers by reference, so
+``tra_sql`` must be importable there (it is, when executors run this interpreter).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+from tra_sql import errors
+from tra_sql.errors import ExecutionError, TraError
+
+#: DuckDB result types of the tile UDFs, as Spark types.
+RESULT_TYPES = {"BLOB": ("binary", pa.large_binary()), "DOUBLE[]": ("array<double>", pa.large_list(pa.float64())),
+                "BIGINT[]": ("array<bigint>", pa.large_list(pa.int64()))}
+ERROR_LINE = re.compile(r"^(?:tra_sql\.errors\.)?(\w+Error): (.*)$", re.M)
+
+
+def _batch_udf(function, empty: pa.DataType):
+    """``function`` over a batch; a batch of no rows gives no tiles (the kernels read the
+    constant ``meta`` from the first row)."""
+    def udf(*columns):
+        if len(columns[0]) == 0:
+            return pa.array([], empty)
+        return function(*columns)
+    udf.__name__ = function.__name__
+    return udf
+
+
+def einsum_group(batches) -> bytes:
+    """``tra_einsum_group_<n>(meta, out_keys, keys_0, tile_0, ...)``, a grouped aggregate: the
+    joined rows of one output tile come in batches; each batch is one kernel call per row
+    (``tra_einsum_<n>``'s) reduced with the step's aggregate, and the batches are reduced in
+    turn. Memory: one batch, never the group's whole list."""
+    from tra_sql.udfs.arrowio import binary_views, first_string
+    from tra_sql.udfs.register import REDUCE, StepMeta, einsum_rows
+
+    out = None
+    for meta_col, keys_col, *operands in batches:
+        if not len(meta_col):
+            continue
+        meta = StepMeta.parse(first_string(meta_col))
+        data, offsets, _ = binary_views(einsum_rows(meta_col, keys_col, *operands))
+        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(meta_col), -1)
+        part = REDUCE[meta.agg].reduce(rows, axis=0)
+        out = part if out is None else REDUCE[meta.agg](out, part, out=out)
+    if out is None:
+        raise ValueError("tra_einsum_group: an empty group")
+    return out.tobytes()
+
+
+def register(spark, names) -> None:
+    """Register the named tile UDFs (see ``tra_sql.udfs.register``, and ``einsum_group``) on
+    ``spark``."""
+    import warnings
+
+    from pyspark.sql.functions import ArrowUDFType, arrow_udf
+
+    from tra_sql.udfs.register import _signature
+
+    for name in names:
+        if re.fullmatch(r"tra_einsum_group_\d+", name):
+            with warnings.catch_warnings():  # type hints cannot say "any number of arguments"
+                warnings.simplefilter("ignore", UserWarning)
+                udf = arrow_udf(einsum_group, "binary", ArrowUDFType.GROUPED_AGG_ITER)
+            spark.udf.register(name, udf)
+            continue
+        function, _, result = _signature(name)
+        spark_type, arrow_type = RESULT_TYPES[str(result)]
+        spark.udf.register(name, arrow_udf(_batch_udf(function, arrow_type), spark_type))
+
+
+def translate(err: Exception, what: str) -> TraError:
+    """A ``TraError`` for a Spark error; errors raised in tile UDFs keep their class."""
+    text = str(err)
+    for name, message in reversed(ERROR_LINE.findall(text)):
+        cls = getattr(errors, name, None)
+        if isinstance(cls, type) and issubclass(cls, TraError):
+            return cls(message.strip())
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return ExecutionError(f"{what} failed on Spark: {first}")

@@ -1,0 +1,140 @@
+"""Tensor relations on Spark: Parquet tables in a warehouse directory.
+
+Layout (every name lower-cased, since SQL names are case-insensitive)::
+
+    <root>/tra_tensors/<name>.parquet   the catalog: one row (name, dtype, shape, tile_shape)
+    <root>/<name>/*.parquet             a tile relation (k0.. INT, tile BINARY) or a plain table
+    <root>/_staging/<uuid>/             writes in flight; published by a directory rename
+
+Every table directory is registered with Spark (``USING parquet LOCATION``) when a session
+opens, so a warehouse written by one Spark application opens in the next, as a DuckDB file
+does. The driver reads and writes the directory itself, so it must be a path that the driver
+and every executor see alike: local disk for ``local[N]`` and a cluster on one machine, a
+shared filesystem for a cluster of several.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tra_sql import catalog
+from tra_sql.catalog import CATALOG_TABLE, TensorInfo
+from tra_sql.errors import TensorExistsError, UnknownTensorError
+
+CATALOG_SCHEMA = pa.schema([("name", pa.string()), ("dtype", pa.string()),
+                            ("shape", pa.list_(pa.int64())), ("tile_shape", pa.list_(pa.int64()))])
+ROW_GROUP_BYTES = 32 << 20  # Parquet row groups of about this size: Spark's unit of parallel reads
+
+
+def quote(name: str) -> str:
+    """A Spark SQL identifier."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def literal(text: str) -> str:
+    """A Spark SQL string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def write_parquet(table: pa.Table, directory: Path) -> None:
+    """``table`` as one Parquet file in ``directory`` (created), in row groups of about
+    ``ROW_GROUP_BYTES``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = max(1, int(ROW_GROUP_BYTES * table.num_rows // max(1, table.nbytes))) if table.num_rows else None
+    pq.write_table(table, directory / "part-00000.parquet", row_group_size=rows)
+
+
+class Warehouse:
+    """The warehouse directory ``root`` and the Spark tables registered over it."""
+
+    def __init__(self, root: Path, spark):
+        self.root = root
+        self.spark = spark
+        self.catalog_dir = root / CATALOG_TABLE
+        self.catalog_dir.mkdir(parents=True, exist_ok=True)
+        self.attach_all()
+
+    def path(self, name: str) -> Path:
+        return self.root / name.lower()
+
+    # -- Spark's view of the directory ----------------------------------------------------
+    def attach(self, name: str, schema: str = "") -> None:
+        """Register directory ``name`` as a Parquet table (``schema``: a column list, else
+        inferred from the files)."""
+        self.spark.sql(f"CREATE TABLE IF NOT EXISTS {quote(name)} {schema} USING parquet "
+                       f"LOCATION {literal(str(self.path(name)))}")
+
+    def attach_all(self) -> None:
+        self.attach(CATALOG_TABLE, "(name STRING, dtype STRING, shape ARRAY<BIGINT>, tile_shape ARRAY<BIGINT>)")
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and entry.name[0] not in "_." and any(entry.glob("*.parquet")):
+                self.attach(entry.name)
+
+    def exists(self, name: str) -> bool:
+        return self.spark.catalog.tableExists(name) or self.path(name).exists()
+
+    # -- the catalog ----------------------------------------------------------------------
+    def rows(self) -> list[dict]:
+        files = sorted(self.catalog_dir.glob("*.parquet"))
+        return pa.concat_tables([pq.read_table(f, schema=CATALOG_SCHEMA) for f in files]).to_pylist() if files else []
+
+    def lookup(self, name: str) -> TensorInfo:
+        for row in self.rows():
+            if row["name"].lower() == name.lower():
+                return TensorInfo(row["name"], np.dtype(row["dtype"]), tuple(row["shape"]), tuple(row["tile_shape"]))
+        raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
+
+    def tensors(self) -> list[str]:
+        return sorted(row["name"] for row in self.rows())
+
+    def _catalog_file(self, name: str) -> Path:
+        return self.catalog_dir / f"{name.lower()}.parquet"
+
+    # -- writing tables -------------------------------------------------------------------
+    def create(self, name: str, write: Callable[[Path], None], info: TensorInfo | None = None,
+               replace: bool = False) -> None:
+        """Create table ``name`` from the Parquet files that ``write(directory)`` leaves in a
+        staging directory, then publish it (and ``info``'s catalog row, for a tensor). A
+        failing ``write`` leaves the warehouse as it was."""
+        catalog.check_name(name)
+        if self.exists(name) and not replace:
+            raise TensorExistsError(f"a table named '{name}' exists already (names are case-insensitive, "
+                                    f"as in SQL); pass replace=True to overwrite it")
+        staging = self.root / "_staging" / uuid.uuid4().hex
+        try:
+            write(staging)
+            self._publish(name, staging, info)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _publish(self, name: str, staging: Path, info: TensorInfo | None) -> None:
+        trash = self.root / "_staging" / f"{uuid.uuid4().hex}.old"
+        self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
+        self._catalog_file(name).unlink(missing_ok=True)
+        if self.path(name).exists():
+            self.path(name).rename(trash)
+        staging.rename(self.path(name))
+        shutil.rmtree(trash, ignore_errors=True)
+        if info is not None:
+            keys = ", ".join(f"k{d} INT" for d in range(len(info.shape)))
+            self.attach(name, f"({keys}{', ' if keys else ''}tile BINARY)")
+            row = {"name": [info.name], "dtype": [info.dtype.name], "shape": [list(info.shape)],
+                   "tile_shape": [list(info.tile)]}
+            pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), self._catalog_file(name))
+        else:
+            self.attach(name)
+        self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
+
+    def drop(self, name: str) -> None:
+        """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
+        self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
+        self._catalog_file(name).unlink(missing_ok=True)
+        shutil.rmtree(self.path(name), ignore_errors=True)
+        self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
