@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
 from tra_sql.decompose import Constants, graphs, make_plan  # noqa: E402
@@ -48,16 +48,6 @@ def stored_leaf(db, rng, dtype="float32"):
         return cache[name]
 
     return leaf
-
-
-def best_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def graphs_to_run(quick: bool):
@@ -95,7 +85,7 @@ def section_plans(db, args) -> None:
                 variant = dataclasses.replace(plan, assign=list(assign), cost=cost)
                 got = tensor.numpy(plan=variant)
                 np.testing.assert_allclose(got, reference, rtol=2e-3, atol=2e-4)
-                seen[key] = best_time(lambda v=variant, t=tensor: t.numpy(plan=v), args.repeat)
+                seen[key] = median_time(lambda v=variant, t=tensor: t.numpy(plan=v), args.repeat)
                 points.append((name, label, cost, seen[key]))
             t = seen[key]
             measured_dp = t if measured_dp is None else measured_dp

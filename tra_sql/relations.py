@@ -133,14 +133,6 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
 
 def drop_relation(db: Session, name: str) -> None:
     """Drop a relation view and its catalog row (the underlying table stays)."""
-    con = db.con
-    if _kind(con, name) != "VIEW":
+    if _kind(db.con, name) != "VIEW":
         raise UnknownTensorError(f"no relation view named '{name}'")
-    con.execute("BEGIN TRANSACTION").fetchall()
-    try:
-        con.execute(f'DROP VIEW "{name}"').fetchall()
-        con.execute(f"DELETE FROM {catalog.CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]).fetchall()
-        con.execute("COMMIT").fetchall()
-    except BaseException:
-        con.execute("ROLLBACK").fetchall()
-        raise
+    catalog.drop_tensor(db.con, name)
