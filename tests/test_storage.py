@@ -31,7 +31,7 @@ def test_tiles_are_c_order_bytes_with_integer_keys(db):
 
 def test_catalog_row(db):
     db.from_numpy("A", np.zeros((5, 3), np.float32), tile=(2, 3))
-    assert db.con.execute("SELECT * FROM tra_tensors").fetchall() == [("A", "float32", [5, 3], [2, 3])]
+    assert db.con.execute("SELECT * FROM tra_tensors").fetchall() == [("A", "float32", [5, 3], [2, 3], "dense")]
     assert db.tensors() == ["A"]
 
 

@@ -20,6 +20,7 @@ from tra_sql.errors import (
     TensorExistsError,
     UnknownTensorError,
 )
+from tra_sql.udfs import sparse
 
 CATALOG_TABLE = "tra_tensors"
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -48,12 +49,14 @@ def check_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A catalog row: a tensor's name, dtype, full shape and interior tile shape."""
+    """A catalog row: a tensor's name, dtype, full shape, interior tile shape and tile layout
+    (``dense`` or ``csr``)."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
     tile: tuple[int, ...]
+    layout: str = "dense"
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -92,12 +95,12 @@ def ensure_catalog(con: duckdb.DuckDBPyConnection) -> None:
 
 def lookup(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo:
     rows = con.execute(
-        f"SELECT name, dtype, shape, tile_shape FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]
+        f"SELECT name, dtype, shape, tile_shape, layout FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]
     ).fetchall()
     if not rows:
         raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
-    stored, dtype, shape, tile = rows[0]
-    return TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile))
+    stored, dtype, shape, tile, layout = rows[0]
+    return TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile), layout)
 
 
 def list_tensors(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -130,6 +133,17 @@ def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
     return pa.table(columns)
 
 
+def _assemble_csr(info: TensorInfo, out: np.ndarray, keys, shapes, data, offsets, valid) -> np.ndarray:
+    """Add the entries of CSR tiles into the dense ``out``."""
+    for i, (key, shape) in enumerate(zip(keys, shapes)):
+        if not valid[i]:
+            raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{info.name}' is NULL")
+        tile = sparse.check(info.name, key, data[offsets[i] : offsets[i + 1]], shape, info.dtype)
+        out[key[0] * info.tile[0] : key[0] * info.tile[0] + shape[0],
+            key[1] * info.tile[1] : key[1] * info.tile[1] + shape[1]] += tile.dense()
+    return out
+
+
 def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     """Lay the tiles of a tile relation into one array; absent tiles are zeros. Tiles are
     checked against the catalog's geometry; full-size tiles are placed in one vectorized
@@ -151,6 +165,8 @@ def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.empty(0, np.uint8)
     tile = np.array(info.tile, dtype=np.int64)
     shapes = np.minimum(tile, np.array(info.shape, dtype=np.int64) - keys * tile)
+    if info.layout == "csr":
+        return _assemble_csr(info, out, keys, shapes, data, offsets, blobs.is_valid().to_numpy(zero_copy_only=False))
     expected = np.prod(shapes, axis=1, dtype=np.int64) * info.dtype.itemsize
     valid = blobs.is_valid().to_numpy(zero_copy_only=False)
     bad = ~valid | (np.diff(offsets) != expected)
@@ -173,6 +189,12 @@ def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     return out
 
 
+def insert_row(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> None:
+    """Add ``info``'s catalog row."""
+    con.execute(f"INSERT INTO {CATALOG_TABLE} (name, dtype, shape, tile_shape, layout) VALUES (?, ?, ?, ?, ?)",
+                [info.name, info.dtype.name, list(info.shape), list(info.tile), info.layout]).fetchall()
+
+
 def create_tensor_table(
     con: duckdb.DuckDBPyConnection, info: TensorInfo, select_sql: str, replace: bool = False
 ) -> None:
@@ -187,10 +209,7 @@ def create_tensor_table(
             con.execute(f'DROP TABLE "{info.name}"').fetchall()
         con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [info.name]).fetchall()
         con.execute(f'CREATE TABLE "{info.name}" AS {select_sql}').fetchall()
-        con.execute(
-            f"INSERT INTO {CATALOG_TABLE} VALUES (?, ?, ?, ?)",
-            [info.name, info.dtype.name, list(info.shape), list(info.tile)],
-        ).fetchall()
+        insert_row(con, info)
         con.execute("COMMIT").fetchall()
     except BaseException:
         con.execute("ROLLBACK").fetchall()

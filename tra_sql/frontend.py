@@ -380,7 +380,7 @@ class Rewriter:
 
     def _literal(self, info: TensorInfo, select: exp.Select) -> Tensor:
         self.literals[info.name] = select
-        return Tensor(self.session, Source(info.shape, info.dtype, info.tile, info.name))
+        return Tensor(self.session, Source(info.shape, info.dtype, info.tile, info.name, info.layout))
 
     def _tra_random(self, call: exp.Anonymous) -> Tensor:
         args, options = _arguments(call)

@@ -14,7 +14,7 @@ import numpy as np
 import opt_einsum
 
 from tra_sql.einsum import AGGREGATES, EinsumSpec, broadcast, parse_spec
-from tra_sql.errors import DTypeError, SpecError
+from tra_sql.errors import DTypeError, ShapeError, SpecError
 
 
 @dataclass(eq=False)
@@ -35,12 +35,18 @@ class Node:
     def label(self) -> str:
         return type(self).__name__
 
+    @property
+    def layout(self) -> str:
+        """How the tiles hold their elements: ``dense``, or ``csr`` (stored sparse matrices)."""
+        return "dense"
+
 
 @dataclass(eq=False)
 class Source(Node):
     """A tensor relation stored in table ``table``."""
 
     table: str
+    layout: str = "dense"
 
     @property
     def label(self) -> str:
@@ -74,6 +80,12 @@ class Place(Node):
     offsets: tuple[tuple[int, ...], ...]
     flat: bool = False
     add: bool = False
+
+    def __post_init__(self):
+        sparse = [s for s in self.sources if s.layout != "dense"]
+        if sparse:
+            raise ShapeError(f"{self.label} needs dense tiles, but {sparse[0].label} is stored {sparse[0].layout}: "
+                             f"store it with the tiling the program needs")
 
     @property
     def inputs(self) -> tuple[Node, ...]:
@@ -176,9 +188,10 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
            agg: str = "sum") -> Node:
     """The node computing ``spec`` over ``operands`` (``names`` are for error messages).
 
-    Each index takes the tile size it has in the first operand that uses it; operands tiled
-    otherwise are re-tiled. Three or more operands with the default join and ``sum`` follow
-    opt_einsum's contraction path as pairwise steps.
+    Each index takes the tile size it has in the first operand that uses it (CSR operands
+    first: they cannot be re-tiled); operands tiled otherwise are re-tiled. Three or more
+    operands with the default join and ``sum`` follow opt_einsum's contraction path as
+    pairwise steps.
     """
     if agg not in AGGREGATES:
         raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
@@ -190,7 +203,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
         if op.dtype.name not in ("float32", "float64", "int32", "int64"):
             raise DTypeError(f"operand '{name}' has unsupported dtype {op.dtype}")
     tiles: dict[str, int] = {}
-    for sub, op in zip(parsed.inputs, operands):
+    for sub, op in sorted(zip(parsed.inputs, operands), key=lambda pair: pair[1].layout == "dense"):
         for c, t in zip(sub, op.tile):
             tiles.setdefault(c, t)
     aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]

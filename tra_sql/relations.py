@@ -8,7 +8,11 @@ table's rows are the nonzeros of an (N, N) tensor and joins against it are ordin
   column's bytes, and absent keys are zeros under sum-of-products (inner-join semantics for
   other joins, see ``Session.einsum``);
 - with a ``tile`` shape, rows are grouped into dense blocks (``tra_pack_tile``); absent
-  blocks are zeros, and elements inside a block that no row names are zeros too.
+  blocks are zeros, and elements inside a block that no row names are zeros too;
+- with ``layout="csr"`` (matrices), rows are grouped into blocks (default: one block) kept
+  as their nonzeros (``tra_pack_csr``, see ``tra_sql.udfs.sparse``): sparse-dense products
+  such as ``vu,uf->vf`` then run over the nonzeros, in one kernel call per block. Store the
+  view (``tensor.store(name)``) to pack the blocks once instead of at every use.
 
 Keys must be integers in ``[0, n)``; rows outside ``shape`` are not part of the tensor.
 Rows with the same keys add up when ``sum_duplicates`` (or when blocked); otherwise each row
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
     from tra_sql.tensor import Tensor
 
 PACK = {"float64": "tra_pack", "float32": "tra_pack_f32"}
-UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile")
+UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr")
+LAYOUTS = ("dense", "csr")
 
 
 def ensure_udfs(db: Session) -> None:
@@ -56,7 +61,7 @@ def _shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tuple[int, ...],
-                dtype: np.dtype, tile: tuple[int, ...], sum_duplicates: bool) -> exp.Select:
+                dtype: np.dtype, tile: tuple[int, ...], sum_duplicates: bool, layout: str = "dense") -> exp.Select:
     """The SELECT producing ``k0.., tile`` from ``table``."""
     cols = [exp.cast(_column(k), "BIGINT") for k in keys]
     val = exp.cast(_column(value), "DOUBLE") if value is not None else exp.Literal.number("1.0")
@@ -65,7 +70,7 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
     where = exp.and_(*inside, *([exp.Not(this=exp.Is(this=val.copy(), expression=exp.Null()))]
                                 if value is not None else []))
     source = exp.to_table(table)
-    if all(t == 1 for t in tile):
+    if layout == "dense" and all(t == 1 for t in tile):
         if sum_duplicates:
             val = exp.Sum(this=val)
         packed = exp.Anonymous(this=PACK[dtype.name], expressions=[val])
@@ -74,9 +79,10 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
         return select.group_by(*[c.copy() for c in cols]) if sum_duplicates else select
     blocks = [exp.IntDiv(this=c.copy(), expression=exp.Literal.number(t)) for c, t in zip(cols, tile)]
     meta = json.dumps({"name": "relation", "dtype": dtype.name, "shape": list(shape), "tile": list(tile)})
-    packed = exp.Anonymous(this="tra_pack_tile", expressions=[
-        exp.Literal.string(meta), exp.Array(expressions=[b.copy() for b in blocks]),
-        exp.ArrayAgg(this=exp.Array(expressions=[c.copy() for c in cols])), exp.ArrayAgg(this=val)])
+    entries = [exp.ArrayAgg(this=c.copy()) for c in cols] if layout == "csr" else \
+        [exp.ArrayAgg(this=exp.Array(expressions=[c.copy() for c in cols]))]
+    packed = exp.Anonymous(this="tra_pack_csr" if layout == "csr" else "tra_pack_tile", expressions=[
+        exp.Literal.string(meta), exp.Array(expressions=[b.copy() for b in blocks]), *entries, exp.ArrayAgg(this=val)])
     select = exp.select(*[exp.alias_(exp.cast(b, "INTEGER"), f"k{d}") for d, b in enumerate(blocks)],
                         exp.alias_(packed, "tile")).from_(source).where(where)
     return select.group_by(*[b.copy() for b in blocks])
@@ -93,10 +99,11 @@ def _kind(con, name: str) -> str | None:
 
 
 def relation(db: Session, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
-             dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False) -> Tensor:
+             dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
+             layout: str = "dense") -> Tensor:
     """View ``table`` as a tensor relation named ``name`` (default ``<table>_<keys...>``):
     one dimension per column in ``keys``, the nonzeros from column ``value`` (1.0 if None).
-    ``shape`` defaults to ``max(key) + 1`` per column."""
+    ``shape`` defaults to ``max(key) + 1`` per column; ``layout`` is ``dense`` or ``csr``."""
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     if not keys:
         raise SpecError("a relation needs at least one key column")
@@ -109,8 +116,13 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     shape = _shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
     if len(shape) != len(keys):
         raise ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
-    tile = catalog.check_tile(shape, (1,) * len(shape) if tile is None else tile, name)
-    select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates)
+    if layout not in LAYOUTS:
+        raise SpecError(f"relation {name!r}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "csr" and len(keys) != 2:
+        raise ShapeError(f"relation {name!r}: a csr layout needs two key columns (a matrix), not {len(keys)}")
+    default = shape if layout == "csr" else (1,) * len(shape)
+    tile = catalog.check_tile(shape, default if tile is None else tile, name)
+    select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
     ensure_udfs(db)
     con = db.con
     con.execute("BEGIN TRANSACTION").fetchall()
@@ -122,8 +134,7 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
             con.execute(f'DROP {kind} "{name}"').fetchall()
         con.execute(f"DELETE FROM {catalog.CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]).fetchall()
         con.execute(f'CREATE VIEW "{name}" AS {select.sql(dialect="duckdb")}').fetchall()
-        con.execute(f"INSERT INTO {catalog.CATALOG_TABLE} VALUES (?, ?, ?, ?)",
-                    [name, dtype.name, list(shape), list(tile)]).fetchall()
+        catalog.insert_row(con, catalog.TensorInfo(name, dtype, shape, tile, layout))
         con.execute("COMMIT").fetchall()
     except BaseException:
         con.execute("ROLLBACK").fetchall()

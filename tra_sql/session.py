@@ -63,7 +63,7 @@ class Session:
         self._udfs: set[str] = set()
         if not read_only:
             catalog.ensure_catalog(con)
-        self.ensure_udfs(("tra_pack", "tra_pack_f32", "tra_pack_tile"))  # relation views call them
+        self.ensure_udfs(("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr"))  # relation views call them
 
     def close(self) -> None:
         self.con.close()
@@ -112,7 +112,7 @@ class Session:
     def tensor(self, name: str) -> Tensor:
         """The stored tensor relation ``name``."""
         info = catalog.lookup(self.con, name)
-        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name))
+        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name, info.layout))
 
     def tensors(self) -> list[str]:
         """Names of all stored tensors."""
@@ -121,6 +121,10 @@ class Session:
     def drop(self, name: str) -> None:
         """Drop tensor relation ``name`` and its catalog row."""
         catalog.drop_tensor(self.con, name)
+
+    def tile_count(self, table: str) -> int:
+        """Rows (tiles) of table ``table``."""
+        return self.con.execute(f'SELECT count(*) FROM "{table}"').fetchall()[0][0]
 
     # -- building programs --------------------------------------------------------------
     def _node(self, operand) -> tuple[graph.Node, str]:
@@ -206,13 +210,13 @@ class Session:
             raise translate(err, f"computing {program.root.label}") from None
 
     def fetch_numpy(self, tensor: Tensor) -> np.ndarray:
-        info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile)
+        info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
         return catalog.assemble(info, self.run(tensor.program()))
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
         program = tensor.program()
         self._prepare(program)
-        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
         try:
             catalog.create_tensor_table(self.con, info, program.sql(pretty=False), replace)
         except duckdb.Error as err:

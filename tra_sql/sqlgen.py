@@ -70,7 +70,13 @@ class Epilogue:
         node = self.node
         return {"inputs": list(node.spec.inputs), "output": node.spec.output, "position": self.position,
                 "sizes": node.sizes, "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
-                "out_dtype": node.dtype.name, "names": self.names, "join": node.join, "agg": node.agg}
+                "out_dtype": node.dtype.name, "names": self.names, "join": node.join, "agg": node.agg} | _layouts(node)
+
+
+def _layouts(node: Einsum) -> dict:
+    """The operands' tile layouts for the kernel's meta, when any is not dense."""
+    layouts = [op.layout for op in node.operands]
+    return {"layouts": layouts} if any(layout != "dense" for layout in layouts) else {}
 
 
 def einsum_select(node: Einsum, refs: list[str], names: list[str],
@@ -101,7 +107,7 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
         "inputs": list(spec.inputs), "output": spec.output, "sizes": node.sizes,
         "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
         "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
-    }
+    } | _layouts(node)
     args: list[exp.Expression] = [_meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {})),
                                   _array([k.copy() for k in out_keys])]
     fields: list[exp.Expression] = []

@@ -8,6 +8,7 @@ from math import prod
 
 import numpy as np
 
+from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
@@ -75,7 +76,13 @@ class TileEinsum:
 
     def accumulate(self, out: np.ndarray, tiles: list[np.ndarray], scratch: bool = True) -> None:
         """Aggregate this tile set into ``out``; ``scratch=False`` means ``out`` holds only
-        the identity, so a BLAS product may be written straight into it."""
+        the identity, so a BLAS product may be written straight into it. CSR tiles run
+        sparse-dense products in a sparse kernel and are densified for anything else."""
+        if any(isinstance(t, sparse.CSRTile) for t in tiles):
+            product = self.join_code is None and self.agg == "sum"
+            tiles = sparse.accumulate(self.inputs, self.output, product, out, tiles)
+            if tiles is None:
+                return
         layout = self._matmul_layout
         if layout is None:
             self._loop(out)(out, *tiles)

@@ -34,6 +34,8 @@ from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
+from tra_sql.udfs.sparse import CSRTile
+from tra_sql.udfs.sparse import check as check_csr
 
 BATCH_ELEMENTS = 1 << 22  # the most partial-result elements a batched group step may hold
 REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -46,12 +48,14 @@ def tile_shapes(keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.nd
 
 @dataclass(frozen=True)
 class Operand:
-    """How to read one operand's tiles: its name, dtype, full sizes and tile sizes."""
+    """How to read one operand's tiles: its name, dtype, full sizes, tile sizes and layout
+    (``dense`` or ``csr``, see ``tra_sql.udfs.sparse``)."""
 
     name: str
     dtype: np.dtype
     sizes: np.ndarray
     tiles: np.ndarray
+    layout: str = "dense"
 
     def check(self, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """The shapes of the tiles at ``rows``; a tile whose bytes disagree with the catalog's
@@ -69,14 +73,18 @@ class Operand:
             )
         return shapes
 
-    def views(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> list[np.ndarray]:
-        """Zero-copy NumPy views of the tiles at ``rows``."""
+    def views(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> list[np.ndarray | CSRTile]:
+        """Zero-copy NumPy views of the tiles at ``rows`` (CSR tiles over views of their bytes)."""
+        if self.layout == "csr":
+            return [self.csr(data, offsets, valid, r, key) for r, key in zip(rows, keys)]
         shapes = self.check(offsets, valid, rows, keys)
         return [data[offsets[r] : offsets[r + 1]].view(self.dtype).reshape(shape) for r, shape in zip(rows, shapes)]
 
     def stacked(self, data, offsets, valid, rows: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
         """The tiles at ``rows`` as one ``(len(rows), *shape)`` array when they all have one
         shape (a view when they lie back to back in the Arrow buffer), else ``None``."""
+        if self.layout == "csr":
+            return None
         shapes = self.check(offsets, valid, rows, keys)
         if not len(rows) or (shapes != shapes[0]).any():
             return None
@@ -87,6 +95,13 @@ class Operand:
         else:
             flat = data[starts[:, None] + np.arange(nbytes)]
         return flat.view(self.dtype).reshape(len(rows), *shapes[0])
+
+    def csr(self, data, offsets, valid, row: int, key: np.ndarray) -> CSRTile:
+        """The CSR tile at ``row``."""
+        shape = tile_shapes(key, self.sizes, self.tiles)
+        if not valid[row]:
+            raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{self.name}' is NULL")
+        return check_csr(self.name, key, data[offsets[row] : offsets[row + 1]], shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,7 @@ class StepMeta:
     agg: str
     epilogue: StepMeta | None = None  # an element-wise einsum applied to the result
     position: int = 0  # where the result enters the epilogue's operands
+    layouts: tuple[str, ...] = ()  # per operand; empty: all dense
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -116,7 +132,7 @@ class StepMeta:
         return StepMeta(
             tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
             m["out_dtype"], tuple(m["names"]), m.get("join"), m.get("agg", "sum"),
-            epilogue, m.get("position", 0),
+            epilogue, m.get("position", 0), tuple(m.get("layouts", ())),
         )
 
     @property
@@ -126,9 +142,10 @@ class StepMeta:
 
     @cached_property
     def operands(self) -> list[Operand]:
+        layouts = self.layouts or ("dense",) * len(self.inputs)
         return [
-            Operand(name, np.dtype(dt), self._vec(self.sizes, sub), self._vec(self.tiles, sub))
-            for name, dt, sub in zip(self.names, self.dtypes, self.inputs)
+            Operand(name, np.dtype(dt), self._vec(self.sizes, sub), self._vec(self.tiles, sub), layout)
+            for name, dt, sub, layout in zip(self.names, self.dtypes, self.inputs, layouts)
         ]
 
     @cached_property
@@ -321,7 +338,7 @@ def fill(meta_col, out_keys_col):
 
 def _signature(name: str):
     """(Python function, parameter types, result type) of a UDF name."""
-    from tra_sql.udfs import elements, pack
+    from tra_sql.udfs import elements, pack, sparse
 
     keys = duckdb.list_type(BIGINT)
     fixed = {
@@ -333,6 +350,7 @@ def _signature(name: str):
         "tra_random_tile": (elements.random_tiles, [VARCHAR, keys], BLOB),
         "tra_pack_tile": (elements.pack_tiles, [VARCHAR, keys, duckdb.list_type(keys), duckdb.list_type(DOUBLE)],
                           BLOB),
+        "tra_pack_csr": (sparse.pack_csr, [VARCHAR, keys, keys, keys, duckdb.list_type(DOUBLE)], BLOB),
         "tra_pack": (pack.pack, [DOUBLE], BLOB),
         "tra_pack_f32": (pack.pack_f32, [DOUBLE], BLOB),
     }

@@ -1,0 +1,135 @@
+"""CSR tiles: sparse matrices kept as their nonzeros, and sparse-dense products over them."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tra_sql
+from tra_sql.udfs import sparse
+
+
+def edge_table(db, rng, shape, nnz, name="edges"):
+    """A table of ``nnz`` random (dst, src, w) rows, duplicates included; and its dense sum."""
+    dst, src = rng.integers(0, shape[0], nnz), rng.integers(0, shape[1], nnz)
+    w = rng.standard_normal(nnz)
+    db.con.register("_rows", pa.table({"dst": dst, "src": src, "w": w}))
+    db.con.execute(f'CREATE OR REPLACE TABLE "{name}" AS SELECT * FROM _rows').fetchall()
+    db.con.unregister("_rows")
+    dense = np.zeros(shape)
+    np.add.at(dense, (dst, src), w)
+    return dense
+
+
+def test_encode_decode_roundtrip(rng):
+    rows, cols = rng.integers(0, 5, 12), rng.integers(0, 7, 12)
+    values = rng.standard_normal(12).astype(np.float32)
+    buf = sparse.encode(rows, cols, values, (5, 7))
+    assert len(buf) == sparse.nbytes(5, 12, 4)
+    tile = sparse.CSRTile.decode(buf, (5, 7), np.dtype(np.float32))
+    expected = np.zeros((5, 7), np.float32)
+    np.add.at(expected, (rows, cols), values)
+    np.testing.assert_allclose(tile.dense(), expected, rtol=1e-6)
+    assert sparse.CSRTile.decode(buf[:-4], (5, 7), np.dtype(np.float32)) is None
+    assert sparse.CSRTile.decode(buf, (5, 6), np.dtype(np.float32)) is None or cols.max() < 6
+
+
+def test_csr_relation_and_store(db, rng, tmp_path):
+    dense = edge_table(db, rng, (50, 40), 300)
+    A = db.relation("edges", ("dst", "src"), "w", (50, 40), name="A", layout="csr", tile=(16, 40))
+    assert A.tile == (16, 40) and A.node.layout == "csr" and A.arrow().num_rows == 4
+    np.testing.assert_allclose(A.numpy(), dense)
+    stored = A.store("A_stored")
+    assert stored.node.layout == "csr"
+    assert db.sql("SELECT layout FROM tra_tensors WHERE name = 'A_stored'").fetchall() == [("csr",)]
+    np.testing.assert_allclose(stored.numpy(), dense)
+
+
+@pytest.mark.parametrize("spec", ["vu,uf->vf", "vu,vf->uf", "vu,fu->fv", "vu,ufg->gvf", "vu,v->u", "uv,ufg->vgf"])
+def test_sparse_dense_products(db, rng, spec):
+    shape = (37, 29)
+    dense = edge_table(db, rng, shape, 200)
+    A = db.relation("edges", ("dst", "src"), "w", shape, name="A", layout="csr", tile=(10, 29))
+    sub = spec.split(",")[1].split("-")[0]
+    sizes = dict(zip(spec[:2], shape)) | {"f": 6, "g": 3}
+    x = rng.standard_normal([sizes[c] for c in sub])
+    X = db.from_numpy("X", x, tile=tuple(max(1, sizes[c] // 2) for c in sub))
+    Y = db.einsum(spec, A, X)
+    assert '"layouts":["csr","dense"]' in Y.sql()
+    np.testing.assert_allclose(Y.numpy(), np.einsum(spec, dense, x), rtol=1e-10, atol=1e-10)
+
+
+def test_other_einsums_see_the_tile_densified(db, rng):
+    dense = edge_table(db, rng, (12, 9), 100)  # every block has entries: joins see all tiles
+    A = db.relation("edges", ("dst", "src"), "w", (12, 9), name="A", layout="csr", tile=(5, 4))
+    B = db.from_numpy("B", rng.standard_normal((12, 9)), tile=(5, 4))
+    np.testing.assert_allclose(db.einsum("ab->ba", A).numpy(), dense.T)
+    np.testing.assert_allclose(db.einsum("ab,ab->a", A, B).numpy(), (dense * B.numpy()).sum(1))
+    np.testing.assert_allclose(db.einsum("ab,ab->ab", A, B, join="greatest(x0, x1)").numpy(),
+                               np.maximum(dense, B.numpy()))
+
+
+def test_gradient_through_a_csr_product(db, rng):
+    dense = edge_table(db, rng, (30, 30), 120)
+    A = db.relation("edges", ("dst", "src"), "w", (30, 30), name="A", layout="csr")
+    x, w = rng.standard_normal((30, 5)), rng.standard_normal((5, 4))
+    X, W = db.from_numpy("X", x), db.from_numpy("W", w)
+    H = db.einsum("vu,uf,fg->vg", A, X, W)
+    loss = db.einsum("vg,vg->", H, H)
+    (grad,) = db.grad(loss, [W])
+    expected = 2 * (dense @ x).T @ (dense @ x @ w)
+    np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-9)
+
+
+def test_csr_errors(db, rng):
+    edge_table(db, rng, (10, 10), 30)
+    with pytest.raises(tra_sql.ShapeError, match="two key columns"):
+        db.relation("edges", ("dst",), "w", (10,), name="bad", layout="csr")
+    with pytest.raises(tra_sql.SpecError, match="layout"):
+        db.relation("edges", ("dst", "src"), "w", (10, 10), name="bad", layout="coo")
+    A = db.relation("edges", ("dst", "src"), "w", (10, 10), name="A", layout="csr", tile=(5, 10))
+    X = db.from_numpy("X", np.ones((10, 3)), tile=(3, 3))
+    with pytest.raises(tra_sql.ShapeError, match="csr"):
+        A.retile((2, 2))
+    assert db.einsum("vu,uf->vf", A, X).node.operands[0] is A.node    # X is re-tiled, not A
+    db.con.execute("CREATE TABLE broken AS SELECT k0, k1, tile[:20] AS tile FROM A").fetchall()
+    db.con.execute("INSERT INTO tra_tensors VALUES ('broken', 'float64', [10, 10], [5, 10], 'csr')").fetchall()
+    with pytest.raises(tra_sql.CorruptTileError, match="'broken' is not a CSR tile"):
+        db.einsum("vu,uf->vf", db.tensor("broken"), X).numpy()
+    with pytest.raises(tra_sql.CorruptTileError, match="'broken'"):
+        db.tensor("broken").numpy()
+
+
+def test_catalog_without_layout_column_is_upgraded(tmp_path):
+    path = str(tmp_path / "old.duckdb")
+    import duckdb
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE tra_tensors (name VARCHAR PRIMARY KEY, dtype VARCHAR NOT NULL, "
+                "shape BIGINT[] NOT NULL, tile_shape BIGINT[] NOT NULL)").fetchall()
+    con.execute("CREATE TABLE v (k0 INTEGER, tile BLOB)").fetchall()
+    con.execute("INSERT INTO v VALUES (0, ?)", [np.arange(3.0).tobytes()]).fetchall()
+    con.execute("INSERT INTO tra_tensors VALUES ('v', 'float64', [3], [3])").fetchall()
+    con.close()
+    db = tra_sql.connect(path)
+    np.testing.assert_array_equal(db.tensor("v").numpy(), np.arange(3.0))
+    db.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_random_csr_products(data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    rows, cols, feats = (data.draw(st.integers(1, 23)) for _ in range(3))
+    spec = data.draw(st.sampled_from(["vu,uf->vf", "vu,vf->uf", "vu,fu->vf", "vu,vf->fu"]))
+    tile = (data.draw(st.integers(1, rows)), data.draw(st.integers(1, cols)))
+    dtype = data.draw(st.sampled_from(["float32", "float64"]))
+    with tra_sql.connect() as db:
+        dense = edge_table(db, rng, (rows, cols), data.draw(st.integers(0, 3 * rows)))
+        A = db.relation("edges", ("dst", "src"), "w", (rows, cols), name="A", layout="csr", tile=tile, dtype=dtype)
+        sub = spec.split(",")[1].split("-")[0]
+        sizes = {"v": rows, "u": cols, "f": feats}
+        x = rng.standard_normal([sizes[c] for c in sub])
+        X = db.from_numpy("X", x, tile=tuple(data.draw(st.integers(1, sizes[c])) for c in sub))
+        expected = np.einsum(spec, dense.astype(dtype).astype(np.float64), x)
+        np.testing.assert_allclose(db.einsum(spec, A, X).numpy(), expected, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,32 @@
+"""Numba kernels over CSR tiles (see ``tra_sql.udfs.sparse``); both add into ``out``."""
+
+from __future__ import annotations
+
+import numba
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def csr_dense(indptr, indices, data, dense, out):
+    """``out[r, :] += sum over entries (r, c, w) of w * dense[c, :]``, rows over threads."""
+    width = dense.shape[1]
+    for r in numba.prange(len(indptr) - 1):
+        target = out[r]
+        for q in range(indptr[r], indptr[r + 1]):
+            row = dense[indices[q]]
+            w = data[q]
+            for j in range(width):
+                target[j] += w * row[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_t_dense(indptr, indices, data, dense, out):
+    """``out[c, :] += sum over entries (r, c, w) of w * dense[r, :]`` (the transposed product;
+    one thread: it scatters, and is memory-bound like scipy's)."""
+    width = dense.shape[1]
+    for r in range(len(indptr) - 1):
+        row = dense[r]
+        for q in range(indptr[r], indptr[r + 1]):
+            target = out[indices[q]]
+            w = data[q]
+            for j in range(width):
+                target[j] += w * row[j]
