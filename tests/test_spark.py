@@ -20,7 +20,9 @@ import tra_sql  # noqa: E402
 from tra_sql import graph  # noqa: E402
 from tra_sql.backends import spark_sql, transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
+from tra_sql.optim import SGD  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
+from tra_sql.train import cross_entropy  # noqa: E402
 
 SMALL = {"driver_memory": "1g", "config": {"spark.sql.shuffle.partitions": "2"}}
 
@@ -225,10 +227,37 @@ def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
         transfer.copy(sdb, duck, "cG")
 
 
+def test_relation_and_sparse_gradient(sdb, duck):
+    """relation() over a plain table (a copy on Spark), and a gradient through it."""
+    rng = np.random.default_rng(3)
+    dst, src = np.divmod(rng.choice(144, 30, replace=False), 12)
+    w = rng.standard_normal(30)
+    adjacency = np.zeros((12, 12))
+    np.add.at(adjacency, (dst, src), w)
+    x, w0 = rng.standard_normal((12, 5)), rng.standard_normal((5, 4))
+    duck.con.execute("CREATE TABLE redges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
+                     "unnest(?) AS w)", [dst.tolist(), src.tolist(), w.tolist()]).fetchall()
+    transfer.copy(duck, sdb, "redges", replace=True)
+    grads = []
+    for db in (sdb, duck):
+        a = db.relation("redges", ("dst", "src"), "w", (12, 12), name="rA", replace=True)
+        blocked = db.relation("redges", ("dst", "src"), "w", (12, 12), name="rB", tile=(5, 5), replace=True)
+        np.testing.assert_allclose(a.numpy(), adjacency, rtol=1e-12)
+        np.testing.assert_allclose(blocked.numpy(), adjacency, rtol=1e-12)
+        weight = db.from_numpy("rW", w0, replace=True)
+        h = db.einsum("mn,nf,fh->mh", a, db.from_numpy("rX", x, tile=(4, 5), replace=True), weight)
+        grads.append(db.grad(db.einsum("mh,mh->", h, h), weight).numpy())
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+    np.testing.assert_allclose(grads[0], 2 * (adjacency @ x).T @ (adjacency @ x @ w0), rtol=1e-10)
+
+
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
 
 def test_cluster_equals_duckdb(cdb, duck):
     assert cdb.executors() == 2 and cdb.budget() == (2, 512 * 2**20)
+    plan = cdb.plan(cdb.einsum("ij,jk->ik", *(cdb.from_numpy(f"k{n}", np.ones((64, 64)), replace=True)
+                                               for n in "PQ")))
+    assert (plan.workers, plan.memory) == (2, 512 * 2**20)
     want = expected(full=False)
     theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "k"), full=False).items()}
     for k, v in programs(cdb, load(cdb, "k"), full=False).items():
@@ -236,18 +265,63 @@ def test_cluster_equals_duckdb(cdb, duck):
         np.testing.assert_allclose(theirs[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
 
 
+def logistic_regression(db):
+    """Cross-entropy of a softmax regression on 40 samples (tiles split the rows): the loss,
+    the parameters, and the numpy data."""
+    rng = np.random.default_rng(5)
+    x, y, w = rng.standard_normal((40, 8)), np.eye(3)[rng.integers(0, 3, 40)], rng.standard_normal((8, 3)) * 0.3
+    xt, yt = db.from_numpy("lX", x, tile=(16, 8), replace=True), db.from_numpy("lY", y, tile=(16, 3), replace=True)
+    params = [db.from_numpy("lW", w, tile=(4, 3), replace=True), db.from_numpy("lb", np.zeros(3), replace=True)]
+    logits = db.einsum("nc,c->nc", db.einsum("nf,fc->nc", xt, params[0]), params[1], join="x0 + x1")
+    return cross_entropy(db, logits, yt, 40), params, (x, y, w)
+
+
+def numpy_gradient(x, y, w, b):
+    z = x @ w + b
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    d = (p / p.sum(axis=1, keepdims=True) - y) / len(x)
+    loss = -(y * (z - z.max(axis=1, keepdims=True) - np.log(p.sum(axis=1, keepdims=True)))).sum() / len(x)
+    return loss, x.T @ d, d.sum(axis=0)
+
+
+def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
+    """A gradient and three SGD steps (two, then one more resuming the run) on the cluster:
+    DuckDB's numbers, and numpy's."""
+    (loss, params, (x, y, w)), (dloss, dparams, _) = logistic_regression(cdb), logistic_regression(duck)
+    _, gw, gb = numpy_gradient(x, y, w, np.zeros(3))
+    ours, theirs = [g.numpy() for g in cdb.grad(loss, params)], [g.numpy() for g in duck.grad(dloss, dparams)]
+    for a, b, want in zip(ours, theirs, (gw, gb)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(a, want, rtol=1e-10, atol=1e-14)
+    losses, b = [], np.zeros(3)
+    for _ in range(3):
+        value, gw, gb = numpy_gradient(x, y, w, b)
+        losses.append(value)
+        w, b = w - 0.5 * gw, b - 0.5 * gb
+    runs = []
+    for db, ps, lo in ((cdb, params, loss), (duck, dparams, dloss)):
+        db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False)
+        runs.append(db.train(lo, ps, SGD(lr=0.5), 3, run="lr", progress=False))
+        np.testing.assert_allclose(db.tensor("lW").numpy(), w, rtol=1e-10)
+        np.testing.assert_allclose(db.tensor("lb").numpy(), b, rtol=1e-10, atol=1e-14)
+    assert runs[0].epochs == runs[1].epochs == 3 and runs[0].steps == 3
+    np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-12)
+    np.testing.assert_allclose(runs[0].losses, losses, rtol=1e-10)
+
+
 def test_worker_killed_mid_query(cdb, cluster):
-    """Kill one worker (its executor and Python workers with it) while both run tasks of a
-    matmul: Spark reruns the lost tasks on the other worker and the result is right."""
+    """Kill one worker (its executor and Python workers with it) while both workers run tasks
+    of the slow stage of a matmul (8 tasks of 2 s over 2 cores): Spark reruns the lost task on
+    the other worker, and the result is right."""
     def slow(tiles):  # pickled by value: the executors cannot import this test module
-        time.sleep(1.5)
+        time.sleep(2.0)
         return tiles
 
     from pyspark.sql.functions import arrow_udf
     cdb.spark.udf.register("tra_test_slow", arrow_udf(slow, "binary"))
     t = load(cdb, "f")
     cdb.sql("CREATE OR REPLACE TEMPORARY VIEW f_slow AS SELECT k0, k1, tra_test_slow(tile) AS tile "
-            "FROM (SELECT /*+ REPARTITION(6) */ * FROM fA)")
+            "FROM (SELECT /*+ REPARTITION(8) */ * FROM fA)")
     a = t["A"]
     slow_a = Tensor(cdb, graph.Source(a.shape, a.dtype, a.tile, "f_slow"))
     product = cdb.einsum("ij,jk->ik", slow_a, t["B"])
@@ -260,20 +334,23 @@ def test_worker_killed_mid_query(cdb, cluster):
             failure.append(err)
 
     tracker = cdb.spark.sparkContext.statusTracker()
+
+    def stages():
+        return [info for info in map(tracker.getStageInfo, tracker.getActiveStageIds()) if info is not None]
+
     query = threading.Thread(target=run)
     query.start()
     deadline = time.monotonic() + 120
-    while max((getattr(tracker.getStageInfo(s), "numActiveTasks", 0) for s in tracker.getActiveStageIds()),
-              default=0) < 2:
-        assert query.is_alive() and time.monotonic() < deadline, "the query never ran on both workers"
-        time.sleep(0.05)
-    stages = set(tracker.getActiveStageIds())
+    while not any(s.numTasks == 8 and s.numActiveTasks == 2 for s in stages()):  # one task on each worker
+        assert query.is_alive() and time.monotonic() < deadline, "the slow stage never ran on both workers"
+        time.sleep(0.02)
     cluster.kill_worker(0)
+    retried = False
     deadline = time.monotonic() + 240
     while query.is_alive() and time.monotonic() < deadline:
-        stages |= set(tracker.getActiveStageIds())
+        retried |= any(s.numFailedTasks > 0 or s.currentAttemptId > 0 for s in stages())
         query.join(timeout=0.05)
     assert not query.is_alive() and not failure, failure
     np.testing.assert_allclose(result[0], arrays()["A"] @ arrays()["B"], rtol=1e-12)
     assert cdb.executors() == 1
-    assert any(tracker.getStageInfo(s).currentAttemptId > 0 for s in stages), "no stage was rerun"
+    assert retried, "no task was rerun"

@@ -302,8 +302,7 @@ def context(db: Session) -> Context:
 
     def source_dense(node: Source) -> bool:
         if node.table not in counts:
-            rows = db.con.execute(f'SELECT count(*) FROM "{node.table}"').fetchall()[0][0]
-            counts[node.table] = rows >= prod(node.grid)
+            counts[node.table] = db.tile_count(node.table) >= prod(node.grid)
         return counts[node.table]
 
     def eye(n: int, dtype: np.dtype) -> Node:

@@ -3,10 +3,11 @@
 - ``parameter(db, "W1", (64, 32), init="glorot_uniform")`` stores a parameter tensor (or
   returns the stored one, so a resumed script picks up where it stopped).
 - A step evaluates the loss, the gradients (``tra_sql.autodiff``) and the optimizer's new
-  weights and state (``tra_sql.optim``) as SQL statements into staging tables (shared
-  intermediates once), then, in one transaction, copies the staged tables into the weight and
-  state tables and advances the run's step counter (table ``tra_runs``). A step that is
-  interrupted leaves the tables as they were; ``train`` with the same ``run`` resumes.
+  weights and state (``tra_sql.optim``), shared intermediates once: in one query whose steps
+  are materialized CTEs when they fit in half of DuckDB's memory_limit, else as SQL statements
+  into staging tables (which spill); then, in one transaction, it copies the new values into
+  the weight and state tables and advances the run's step counter (table ``tra_runs``). A step
+  that is interrupted leaves the tables as they were; ``train`` with the same ``run`` resumes.
 - ``train`` loops over epochs (and batches), shows a tqdm bar with the loss, and logs every
   epoch's mean loss and time in table ``tra_run_log``.
 - ``Dropout`` draws its masks in SQL from (seed, step), so a resumed run draws the same ones.
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
 from tra_sql import autodiff, catalog, graph, relations
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
     from tra_sql.tensor import Tensor
 
 RUNS = "tra_runs"
+STAGED = "_tra_staged"  # a fused step's rows, registered while they are committed
 LOG = "tra_run_log"
 
 
@@ -104,6 +108,10 @@ class Plan:
     tables: dict[str, str]
     nodes: dict[str, Node]
     prologue: list[tuple[str, str]] = field(default_factory=list)
+    #: each table's program, prologue's and statements' in order (for engines other than DuckDB)
+    programs: dict[str, Program] = field(default_factory=dict)
+    #: the statements as one query of every root's rows (``Program.union_query``), if it fits
+    fused: str | None = None
 
 
 def _consumers(roots: Sequence[Node]) -> tuple[list[Node], dict[int, int]]:
@@ -138,14 +146,16 @@ def _rebuild(node: Node, subst: dict[int, Node], memo: dict[int, Node]) -> Node:
     return new
 
 
-def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset()) -> Plan:
+def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(), fuse_bytes: float = 0) -> Plan:
     """A ``Plan`` storing each root into temp table ``<prefix>_<key>``. Sources that are
     ``views`` (lower-case names: relations, which pack their tiles when read) are copied into
-    temp tables by the plan's prologue, which ``execute`` runs only when asked to."""
+    temp tables by the plan's prologue, which ``execute`` runs only when asked to. If the
+    computed nodes hold at most ``fuse_bytes`` (dense), the plan also has the ``fused`` query."""
     order, uses = _consumers(list(roots.values()))
     wanted = {id(n): key for key, n in roots.items()}
     subst: dict[int, Node] = {}
-    statements, prologue, udfs, tables = [], [], set(), {}
+    view_subst: dict[int, Node] = {}
+    statements, prologue, udfs, tables, programs = [], [], set(), {}, {}
     for node in order:
         view = isinstance(node, Source) and node.table.lower() in views
         shared = not isinstance(node, (Source, Fill)) and uses.get(id(node), 0) > 1
@@ -157,23 +167,40 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
         (prologue if view else statements).append(
             (table, f'CREATE OR REPLACE TEMP TABLE "{table}" AS {program.sql(pretty=False)}'))
         udfs |= program.udfs
-        subst[id(node)] = Source(node.shape, node.dtype, node.tile, table)
+        programs[table] = program
+        subst[id(node)] = Source(node.shape, node.dtype, node.tile, table, node.layout)
+        if view:
+            view_subst[id(node)] = subst[id(node)]
         if id(node) in wanted:
             tables[wanted[id(node)]] = table
-    return Plan(statements, udfs, tables, dict(roots), prologue)
+    fused = None
+    computed = [n for n in order if not isinstance(n, Source)]
+    if sum(prod(n.shape) * n.dtype.itemsize for n in computed) <= fuse_bytes:
+        memo: dict[int, Node] = {}
+        results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
+        program = Program.compile(*results.values())
+        fused = program.union_query(results).sql(dialect="duckdb")
+        udfs |= program.udfs
+    return Plan(statements, udfs, tables, dict(roots), prologue, programs, fused)
 
 
-def execute(db: Session, p: Plan, prologue: bool = True) -> None:
-    """Run a plan's statements, after its prologue if ``prologue`` (the engine's errors become
-    ``TraError``s)."""
+def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
+    """Run a plan, after its prologue if ``prologue`` (the engine's errors become
+    ``TraError``s): its ``fused`` query, whose rows it returns, or else its statements."""
     from tra_sql.session import translate
 
     db.ensure_udfs(p.udfs)
-    for table, sql in (p.prologue if prologue else []) + p.statements:
+    for table, sql in (p.prologue if prologue else []) + ([] if p.fused else p.statements):
         try:
             db.con.execute(sql).fetchall()
         except duckdb.Error as err:
             raise translate(err, f"computing {table}") from None
+    if p.fused:
+        try:
+            return db.con.sql(p.fused).to_arrow_table()
+        except duckdb.Error as err:
+            raise translate(err, f"computing {', '.join(p.tables)}") from None
+    return None
 
 
 def scalar_value(db: Session, table: str, dtype: np.dtype) -> float:
@@ -306,6 +333,7 @@ class Trainer:
         self.scalars = {s: self._scalar(f"{run}__{s}") for s in self.scalar_names}
         self.plans: dict[int, Plan] = {}
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
+        self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
 
     def _zeros(self, name: str, like: Tensor) -> Tensor:
         if name.lower() not in (t.lower() for t in self.db.tensors()):
@@ -332,10 +360,24 @@ class Trainer:
                 for key, value in new.items():
                     target = name if key == "param" else f"{self.run}__{key}__{name}"
                     roots[target] = graph.retile(value.node, w.tile)
-            views = self.db.con.execute("SELECT lower(view_name) FROM duckdb_views() WHERE NOT internal").fetchall()
             prefix = f"_tra_{self.run}" + (f"_b{batch}" if self.batches > 1 else "")
-            self.plans[batch] = plan(roots, prefix, frozenset(v[0] for v in views))
+            self.plans[batch] = plan(roots, prefix, self.views(), self.fuse_bytes())
         return self.plans[batch]
+
+    def fuse_bytes(self) -> float:
+        """Up to how many bytes of intermediates a step runs as one query: half of DuckDB's
+        memory_limit (materialized CTEs stay in memory; staging tables spill)."""
+        if not isinstance(getattr(self.db, "con", None), duckdb.DuckDBPyConnection):
+            return 0
+        from tra_sql.decompose.cost import parse_bytes
+
+        limit = self.db.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        return parse_bytes(str(limit).replace(" ", "")) / 2
+
+    def views(self) -> frozenset[str]:
+        """Lower-case names of the relation views (see ``plan``)."""
+        rows = self.db.con.execute("SELECT lower(view_name) FROM duckdb_views() WHERE NOT internal").fetchall()
+        return frozenset(v[0] for v in rows)
 
     def set_scalars(self, step: int) -> None:
         for key, value in self.optimizer.scalars(step).items():
@@ -347,20 +389,33 @@ class Trainer:
         committed: see ``commit``."""
         p = self.plan(batch)
         self.set_scalars(step)
-        execute(self.db, p, prologue=batch not in self.snapshots)
+        rows = execute(self.db, p, prologue=batch not in self.snapshots)
         self.snapshots.add(batch)
-        return scalar_value(self.db, p.tables["loss"], p.nodes["loss"].dtype)
+        if rows is None:
+            return scalar_value(self.db, p.tables["loss"], p.nodes["loss"].dtype)
+        self.staged[batch] = rows
+        tiles = rows.filter(pc.equal(rows.column("target"), "loss")).column("tile").to_pylist()
+        return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
 
     def commit(self, batch: int, sets: str, params: list, log: list | None = None) -> None:
         """Swap batch ``batch``'s staged tables in, update the run row and (at the end of an
         epoch) log it, in one transaction."""
-        con = self.db.con
+        con, p = self.db.con, self.plans[batch]
+        staged = self.staged.pop(batch, None)
+        if staged is not None:
+            con.register(STAGED, staged)
         con.execute("BEGIN TRANSACTION").fetchall()
         try:
-            for target, table in self.plans[batch].tables.items():
-                if target != "loss":
-                    con.execute(f'DELETE FROM "{target}"').fetchall()
+            for target, table in p.tables.items():
+                if target == "loss":
+                    continue
+                con.execute(f'DELETE FROM "{target}"').fetchall()
+                if staged is None:
                     con.execute(f'INSERT INTO "{target}" SELECT * FROM "{table}"').fetchall()
+                else:
+                    keys = "".join(f"k{d}, " for d in range(len(p.nodes[target].shape)))
+                    con.execute(f'INSERT INTO "{target}" SELECT {keys}tile FROM {STAGED} WHERE target = ?',
+                                [target]).fetchall()
             con.execute(f"UPDATE {RUNS} SET {sets} WHERE run = ?", params + [self.run]).fetchall()
             if log is not None:
                 con.execute(f"INSERT INTO {LOG} VALUES (?, ?, ?, ?, ?)", [self.run] + log).fetchall()
@@ -368,6 +423,9 @@ class Trainer:
         except BaseException:
             con.execute("ROLLBACK").fetchall()
             raise
+        finally:
+            if staged is not None:
+                con.unregister(STAGED)
 
 
 def _progress_bar(db: Session, on: bool) -> bool:

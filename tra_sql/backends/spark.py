@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from sqlglot import exp
 
-from tra_sql import catalog, errors, graph
+from tra_sql import catalog, errors, graph, relations
 from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, spark_query
-from tra_sql.backends.warehouse import Warehouse, write_parquet
+from tra_sql.backends.warehouse import Warehouse, quote, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import ExecutionError, TraError
 from tra_sql.session import Session
@@ -134,7 +135,7 @@ class SparkTraSession(Session):
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
                               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "tensor SQL syntax, relation(), parameter(), train(), calibrate())")
+                              "tensor SQL syntax, Dropout, calibrate())")
 
     def close(self) -> None:
         if self._owns:
@@ -183,6 +184,37 @@ class SparkTraSession(Session):
         """Drop tensor relation ``name`` and its catalog row."""
         self.warehouse.drop(self.warehouse.lookup(name).name)
 
+    def tile_count(self, table: str) -> int:
+        """Rows (tiles) of table ``table``."""
+        return self.spark.table(quote(table)).count()
+
+    def relation(self, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
+                 dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False) -> Tensor:
+        """``tra_sql.relations.relation`` on Spark: the tensor relation of Spark table ``table``,
+        written as a tensor table (a copy: later changes to ``table`` do not show)."""
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        dtype = catalog.check_dtype(dtype)
+        name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
+        if not keys or dtype.name not in relations.PACK or name.lower() == table.lower():
+            raise errors.SpecError(f"relation {name!r}: give key columns, a float dtype, and a name other "
+                                   f"than the table's")
+        if shape is None:
+            top = self.spark.table(quote(table)).selectExpr(*(f"max({quote(k)})" for k in keys)).first()
+            if any(v is None for v in top):
+                raise errors.ShapeError(f"relation over {table!r} is empty: give its shape")
+            shape = [v + 1 for v in top]
+        shape = tuple(int(n) for n in shape)
+        if len(shape) != len(keys):
+            raise errors.ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
+        tile = catalog.check_tile(shape, (1,) * len(shape) if tile is None else tile, name)
+        select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates)
+        udfs = {c.name.lower() for c in select.find_all(exp.Anonymous)}
+        self.ensure_udfs(udfs)
+        frame = self.sql(select.sql(dialect="spark"))
+        self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), TensorInfo(name, dtype, shape, tile),
+                              replace)
+        return self.tensor(name)
+
     # -- running ------------------------------------------------------------------------
     def ensure_udfs(self, names) -> None:
         """Register the named tile UDFs on this Spark session, once each."""
@@ -213,15 +245,24 @@ class SparkTraSession(Session):
             raise spark_udfs.translate(err, f"computing {program.root.label}") from None
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
-        frame = self.frame(tensor.program())
-        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+        self.write_table(tensor.program(), name, TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile), replace)
+        return self.tensor(name)
+
+    def write_table(self, program: Program, name: str, info: TensorInfo | None = None, replace: bool = True) -> None:
+        """Compute ``program`` into warehouse table ``name`` (with catalog row ``info``, if given)."""
+        frame = self.frame(program)
         try:
             self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
         except TraError:
             raise
         except Exception as err:
             raise spark_udfs.translate(err, f"storing '{name}'") from None
-        return self.tensor(name)
+
+    def train(self, loss, params, optimizer, epochs: int, **options):
+        """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see
+        ``tra_sql.backends.spark_train``)."""
+        from tra_sql.backends import spark_train
+        return spark_train.train(self, loss, params, optimizer, epochs, **options)
 
     def sql(self, text: str, params=None):
         """Run plain Spark SQL (no tensor syntax yet); a Spark DataFrame."""

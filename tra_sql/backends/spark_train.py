@@ -1,0 +1,119 @@
+"""Training on Spark: ``tra_sql.train``'s steps with the warehouse for tables.
+
+A step runs the same ``train.Plan`` as on DuckDB (loss, gradients, the optimizer's new weights
+and state, shared intermediates once), each of its programs written as a Parquet table of the
+warehouse (``_tra_<run>_...``, without catalog rows). Committing a step publishes the staged
+weights and state into the parameter tables (a directory rename each), then rewrites the run
+row (table ``tra_runs``) and, at the end of an epoch, the log (``tra_run_log``): ``train`` with
+the same ``run`` resumes from the last committed step. Unlike DuckDB's transaction, a crash
+between the renames of one commit leaves that step half applied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from tra_sql import train as core
+from tra_sql.backends.warehouse import write_parquet
+from tra_sql.errors import TraError
+from tra_sql.optim import Optimizer
+
+RUN_SCHEMA = pa.schema([("run", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("batch", pa.int64()),
+                        ("loss_sum", pa.float64()), ("params", pa.string()), ("optimizer", pa.string())])
+LOG_SCHEMA = pa.schema([("run", pa.string()), ("epoch", pa.int64()), ("step", pa.int64()), ("loss", pa.float64()),
+                        ("seconds", pa.float64())])
+
+
+def rows(db, table: str, schema: pa.Schema) -> list[dict]:
+    """The rows of a small warehouse table (none if it does not exist)."""
+    path = db.warehouse.path(table)
+    return pq.read_table(path, schema=schema).to_pylist() if path.exists() else []
+
+
+def write_rows(db, table: str, schema: pa.Schema, values: list[dict]) -> None:
+    db.warehouse.create(table, lambda d: write_parquet(pa.Table.from_pylist(values, schema), d), replace=True)
+
+
+def history(db, run: str) -> core.History:
+    """The logged epochs of ``run``."""
+    logged = sorted((r for r in rows(db, core.LOG, LOG_SCHEMA) if r["run"] == run), key=lambda r: r["epoch"])
+    return core.History(run, [r["loss"] for r in logged], [r["seconds"] for r in logged],
+                        logged[-1]["step"] if logged else 0)
+
+
+class SparkTrainer(core.Trainer):
+    """``core.Trainer`` whose staging tables, scalars and commits live in the warehouse."""
+
+    def views(self) -> frozenset[str]:
+        return frozenset()  # relations on Spark are tables
+
+    def set_scalars(self, step: int) -> None:
+        for key, value in self.optimizer.scalars(step).items():
+            self.db.from_numpy(f"{self.run}__{key}", np.array(value, dtype=np.float64), replace=True)
+
+    def step(self, batch: int, step: int) -> float:
+        p = self.plan(batch)
+        self.set_scalars(step)
+        self.db.ensure_udfs(p.udfs)
+        for table, program in p.programs.items():
+            self.db.write_table(program, table)
+        tiles = pq.read_table(self.db.warehouse.path(p.tables["loss"])).column("tile").to_pylist()
+        return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
+
+    def commit(self, batch: int, sets: dict, log: list | None = None) -> None:
+        """Publish batch ``batch``'s staged weights and state, then the run row ``sets`` and
+        the log row ``log``."""
+        for target, table in self.plans[batch].tables.items():
+            if target != "loss":
+                self.db.warehouse.move(table, target)
+        runs = [r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] != self.run]
+        write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [sets | {"run": self.run}])
+        if log is not None:
+            logged = rows(self.db, core.LOG, LOG_SCHEMA)
+            write_rows(self.db, core.LOG, LOG_SCHEMA, logged + [dict(zip(LOG_SCHEMA.names, [self.run] + log))])
+
+
+def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run: str = "run", batches: int = 1,
+          before_step: Callable[[int, int], None] | None = None,
+          on_epoch: Callable[[int, float], None] | None = None, progress: bool | None = None) -> core.History:
+    """``tra_sql.train.train`` on a Spark session (same arguments, same resumable runs)."""
+    trainer = SparkTrainer(db, loss, params, optimizer, run, batches)
+    described = json.dumps(trainer.names)
+    row = next((r for r in rows(db, core.RUNS, RUN_SCHEMA) if r["run"] == run), None)
+    if row is None:
+        row = {"run": run, "step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "params": described,
+               "optimizer": optimizer.describe()}
+    elif row["params"] != described or row["optimizer"] != optimizer.describe():
+        raise TraError(f"run '{run}' was started with parameters {row['params']} and {row['optimizer']}; "
+                       f"this call has {described} and {optimizer.describe()}: use another run name")
+    step, epoch, batch, loss_sum = row["step"], row["epoch"], row["batch"], row["loss_sum"]
+    bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
+               desc=run, unit="epoch")
+    try:
+        while epoch < epochs:
+            started = time.perf_counter()
+            while batch < batches:
+                if before_step is not None:
+                    before_step(step, batch)
+                loss_sum += trainer.step(batch, step + 1)
+                step, batch = step + 1, batch + 1
+                if batch < batches:
+                    trainer.commit(batch - 1, row | {"step": step, "batch": batch, "loss_sum": loss_sum})
+            mean = loss_sum / batches
+            trainer.commit(batch - 1, row | {"step": step, "epoch": epoch + 1, "batch": 0, "loss_sum": 0.0},
+                           log=[epoch, step, mean, time.perf_counter() - started])
+            epoch, batch, loss_sum = epoch + 1, 0, 0.0
+            bar.update(1)
+            bar.set_postfix(loss=f"{mean:.4f}")
+            if on_epoch is not None:
+                on_epoch(epoch - 1, mean)
+    finally:
+        bar.close()
+    return history(db, run)
