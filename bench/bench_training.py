@@ -117,9 +117,9 @@ def tra_gcn(n, e, f, h, c, epochs):
         FROM links l JOIN degree a ON a.node = l.dst JOIN degree b ON b.node = l.src""", [n]).fetchall()
     db.con.register("_labels", pa.table({"node": np.arange(n), "label": labels}))
     db.con.execute("CREATE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
-    A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A")
-    Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y", tile=(1, c))
-    x = db.from_numpy("X", X, tile=(1, f))
+    A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A_view", layout="csr", dtype="float32").store("A")
+    Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y_view", tile=(n, c), dtype="float32").store("Y")
+    x = db.from_numpy("X", X, tile=(n, f))
     rng = np.random.default_rng(1)
     p = {"W1": db.parameter("W1", init=rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h))),
          "b1": db.parameter("b1", (h,), "zeros"),

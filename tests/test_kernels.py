@@ -15,10 +15,16 @@ def test_canonical_names_share_kernels():
     assert canonical(("xy", "yz"), "xz") == canonical(("ab", "bc"), "ac") == (("ab", "bc"), "ac")
 
 
-def test_kernel_source_loops_outputs_outside():
-    src = kernel_source(("ab", "bc"), "ac", "x0 * x1", "sum")
-    assert src.index("for i_a") < src.index("for i_c") < src.index("for i_b")
+def test_kernel_source_loops_in_memory_order():
+    src = kernel_source(("ab", "bc"), "ac", "x0 * x1", "sum")  # i-k-j: the operands read row by row
+    assert src.index("for i_a") < src.index("for i_b") < src.index("for i_c")
     assert "nogil=True, cache=True" in src
+    src = kernel_source(("ab", "b"), "b", "x0 * x1", "sum")  # column sums still walk rows
+    assert src.index("for i_a") < src.index("for i_b")
+    src = kernel_source(("ab", "b"), "a", "x0 * x1", "sum", parallel=True)
+    assert src.index("numba.prange(n_a)") < src.index("acc = out[i_a]") < src.index("for i_b")
+    src = kernel_source(("ab", "b"), "b", "x0 * x1", "sum", parallel=True)  # threads own outputs
+    assert src.index("numba.prange(n_b)") < src.index("for i_a")
 
 
 def test_loop_kernel_matches_numpy():

@@ -123,6 +123,27 @@ def test_training_logs_losses_and_batches(db, rng):
     assert db.con.execute("SELECT step, epoch FROM tra_runs WHERE run = 'lin'").fetchall() == [(120, 60)]
 
 
+def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
+    """Under half the memory_limit a step is one query (steps as CTEs); past it, statements
+    into staging tables that can spill. Both give the same run."""
+    x = db.from_numpy("X", rng.standard_normal((30, 4)), tile=(10, 4))
+    y = db.from_numpy("Y", np.eye(3)[rng.integers(0, 3, 30)], tile=(10, 3))
+    start = {"W": rng.standard_normal((4, 3)), "b": np.zeros(3)}
+    results = {}
+    for mode in ("fused", "staged"):
+        if mode == "staged":
+            monkeypatch.setattr(train.Trainer, "fuse_bytes", lambda self: 0)
+        params = [db.parameter(f"{mode}_{k}", init=v) for k, v in start.items()]
+        loss = train.cross_entropy(db, nn.mlp(db, x, [tuple(params)]), y, 30)
+        history = db.train(loss, params, Adam(lr=0.1), 5, run=mode, progress=False)
+        trainer = train.Trainer(db, loss, params, Adam(lr=0.1), f"{mode}_probe", 1)
+        assert (trainer.plan(0).fused is None) == (mode == "staged")
+        results[mode] = (history.losses, [p.numpy() for p in params])
+    np.testing.assert_allclose(results["fused"][0], results["staged"][0], rtol=1e-12)
+    for fused, staged in zip(results["fused"][1], results["staged"][1]):
+        np.testing.assert_allclose(fused, staged, rtol=1e-12)
+
+
 def test_interrupted_run_resumes_from_the_database_file(tmp_path, rng):
     def session(path):
         db = tra_sql.connect(str(path))

@@ -108,11 +108,17 @@ def list_tensors(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def table_exists(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
-        "AND database_name = current_database() AND schema_name = current_schema()",
-        [name],
-    ).fetchall()[0][0] > 0
+    return object_kind(con, name) == "TABLE"
+
+
+def object_kind(con: duckdb.DuckDBPyConnection, name: str) -> str | None:
+    """``"VIEW"``, ``"TABLE"`` or None for an object ``name`` in the current schema."""
+    rows = con.execute(
+        "SELECT 'VIEW' FROM duckdb_views() WHERE lower(view_name) = lower(?) AND NOT internal "
+        "AND database_name = current_database() AND schema_name = current_schema() UNION ALL "
+        "SELECT 'TABLE' FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
+        "AND database_name = current_database() AND schema_name = current_schema()", [name, name]).fetchall()
+    return rows[0][0] if rows else None
 
 
 def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
@@ -202,11 +208,12 @@ def create_tensor_table(
     check_name(info.name)
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
-        if table_exists(con, info.name):
+        kind = object_kind(con, info.name)
+        if kind:
             if not replace:
-                raise TensorExistsError(f"a table named '{info.name}' exists already (names are "
+                raise TensorExistsError(f"a {kind.lower()} named '{info.name}' exists already (names are "
                                         f"case-insensitive, as in SQL); pass replace=True to overwrite it")
-            con.execute(f'DROP TABLE "{info.name}"').fetchall()
+            con.execute(f'DROP {kind} "{info.name}"').fetchall()
         con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [info.name]).fetchall()
         con.execute(f'CREATE TABLE "{info.name}" AS {select_sql}').fetchall()
         insert_row(con, info)

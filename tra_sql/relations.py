@@ -88,16 +88,6 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
     return select.group_by(*[b.copy() for b in blocks])
 
 
-def _kind(con, name: str) -> str | None:
-    """``"VIEW"``, ``"TABLE"`` or None for an object ``name`` in the current schema."""
-    rows = con.execute(
-        "SELECT 'VIEW' FROM duckdb_views() WHERE lower(view_name) = lower(?) AND NOT internal "
-        "AND schema_name = current_schema() UNION ALL "
-        "SELECT 'TABLE' FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
-        "AND schema_name = current_schema()", [name, name]).fetchall()
-    return rows[0][0] if rows else None
-
-
 def relation(db: Session, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
              dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
              layout: str = "dense") -> Tensor:
@@ -127,7 +117,7 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     con = db.con
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
-        kind = _kind(con, name)
+        kind = catalog.object_kind(con, name)
         if kind and not replace:
             raise TensorExistsError(f"a table or view named '{name}' exists already; pass replace=True")
         if kind:
@@ -144,6 +134,6 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
 
 def drop_relation(db: Session, name: str) -> None:
     """Drop a relation view and its catalog row (the underlying table stays)."""
-    if _kind(db.con, name) != "VIEW":
+    if catalog.object_kind(db.con, name) != "VIEW":
         raise UnknownTensorError(f"no relation view named '{name}'")
     catalog.drop_tensor(db.con, name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from math import prod
 
 import numpy as np
 from sqlglot import exp
@@ -80,9 +81,9 @@ def _layouts(node: Einsum) -> dict:
 
 
 def einsum_select(node: Einsum, refs: list[str], names: list[str],
-                  epilogue: Epilogue | None = None) -> tuple[exp.Select, str]:
+                  epilogue: Epilogue | None = None) -> tuple[exp.Select, list[str]]:
     """The SELECT computing ``node`` (then ``epilogue``, if any) from the relations ``refs``,
-    and the UDF it calls."""
+    and the UDFs it calls."""
     spec = node.spec
     aliases = [f"x{m}" for m in range(len(refs))]
     first: dict[str, exp.Column] = {}
@@ -108,17 +109,12 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
         "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
         "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
     } | _layouts(node)
-    args: list[exp.Expression] = [_meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {})),
-                                  _array([k.copy() for k in out_keys])]
+    full_meta = _meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {}))
     fields: list[exp.Expression] = []
     for m, (sub, alias) in enumerate(zip(spec.inputs, aliases)):
         keys = _array([exp.column(key(d), alias) for d in range(len(sub))])
         fields += [_field(f"keys{m}", keys), _field(f"tile{m}", exp.column("tile", alias))]
-    if split:
-        args.append(_list_of_structs(fields))
-    else:
-        args += [f.expression for f in fields]
-    extra = 0
+    extras: list[exp.Expression] = []  # (keys, tile) of each epilogue operand, joined on the output keys
     if epilogue:
         position_of = {c: i for i, c in enumerate(epilogue.node.spec.output)}
         for j, (sub, ref) in enumerate(zip(epilogue.node.spec.inputs, epilogue.refs)):
@@ -128,20 +124,46 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
             cols = [exp.column(key(d), alias) for d in range(len(sub))]
             joins.append((_table(ref, alias), [exp.EQ(this=col, expression=out_keys[position_of[c]].copy())
                                                for col, c in zip(cols, sub)]))
-            keys, tile = _array([c.copy() for c in cols]), exp.column("tile", alias)
-            args += [exp.AnyValue(this=keys), exp.AnyValue(this=tile)] if split else [keys, tile]
-            extra += 1
-    udf = (f"tra_einsum_agg_{len(refs)}" + (f"_{extra}" if extra else "")) if split \
-        else f"tra_einsum_{len(refs) + extra}"
-    select = exp.select(*_select_keys(out_keys, exp.Anonymous(this=udf, expressions=args)))
-    select = select.from_(_table(refs[0], aliases[0]))
+            extras += [_array([c.copy() for c in cols]), exp.column("tile", alias)]
+    suffix = f"_{len(extras) // 2}" if extras else ""
+    select = exp.select().from_(_table(refs[0], aliases[0]))
     for table, on in joins:
         select = select.join(table, on=exp.and_(*on) if on else exp.true())
     if where:
         select = select.where(exp.and_(*where))
-    if split:
-        select = select.group_by(*[k.copy() for k in out_keys]) if out_keys else select
-    return select, udf
+    per_row = [_array([k.copy() for k in out_keys])] + [f.expression for f in fields]
+    if not split:
+        udf = f"tra_einsum_{len(refs) + len(extras) // 2}"
+        return select.select(*_select_keys(out_keys, exp.Anonymous(this=udf, expressions=[full_meta] + per_row
+                                                                    + extras))), [udf]
+    if partials_first(node):
+        # each joined row's partial result first, then only those go through list() (smaller than the inputs)
+        partial = exp.Anonymous(this=f"tra_einsum_{len(refs)}", expressions=[_meta(meta)] + per_row)
+        extra_cols = [exp.alias_(e, f"e{i}") for i, e in enumerate(extras)]
+        inner = select.select(*_select_keys(out_keys, partial), *extra_cols)
+        keys = [exp.column(key(d)) for d in range(len(out_keys))]
+        udfs = [partial.name, f"tra_reduce{suffix}"]
+        args = [full_meta, _array([k.copy() for k in keys]), exp.ArrayAgg(this=exp.column("tile"))] + \
+            [exp.AnyValue(this=exp.column(f"e{i}")) for i in range(len(extras))]
+        outer = exp.select(*_select_keys(keys, exp.Anonymous(this=udfs[1], expressions=args)))
+        outer = outer.from_(inner.subquery("p"))
+        return (outer.group_by(*[k.copy() for k in keys]) if keys else outer), udfs
+    udf = f"tra_einsum_agg_{len(refs)}{suffix}"
+    args = [full_meta, _array([k.copy() for k in out_keys]), _list_of_structs(fields)] + \
+        [exp.AnyValue(this=e) for e in extras]
+    select = select.select(*_select_keys(out_keys, exp.Anonymous(this=udf, expressions=args)))
+    return (select.group_by(*[k.copy() for k in out_keys]) if out_keys else select), [udf]
+
+
+def partials_first(node: Einsum) -> bool:
+    """Whether a split aggregation should compute one partial result per joined row and
+    aggregate those (``tra_reduce``), rather than aggregate the joined input tiles and compute
+    per group (``tra_einsum_agg``): DuckDB's ``list()`` copies every byte it collects, so the
+    side with fewer bytes per joined row goes through it."""
+    size = node.tiles
+    out = prod(size[c] for c in node.spec.output) * node.dtype.itemsize
+    inputs = sum(prod(size[c] for c in sub) * op.dtype.itemsize for sub, op in zip(node.spec.inputs, node.operands))
+    return out <= inputs
 
 
 def fusable(node: Node, consumers: Counter) -> int | None:
@@ -268,12 +290,13 @@ class Program:
     by_sql: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def compile(cls, root: Node) -> Program:
-        """Compile the DAG under ``root``; element-wise einsums over a contraction are fused
-        into it (see ``fusable``)."""
+    def compile(cls, root: Node, *others: Node) -> Program:
+        """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``);
+        element-wise einsums over a contraction are fused into it (see ``fusable``)."""
         program = cls(root)
-        order = topological(root)
+        order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
         consumers = Counter(id(child) for node in order for child in node.inputs)
+        consumers.update(id(top) for top in others)  # a result must stay a step of its own
         fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None}
         absorbed = {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
         for node in order:
@@ -297,23 +320,23 @@ class Program:
             outer_refs.insert(epilogue_of, "")  # the contraction's own result
             outer_labels.insert(epilogue_of, "")
             refs, labels = self._labels(inner.inputs)
-            select, udf = einsum_select(inner, refs, labels, Epilogue(node, epilogue_of, outer_refs, outer_labels))
+            select, udfs = einsum_select(inner, refs, labels, Epilogue(node, epilogue_of, outer_refs, outer_labels))
             self.refs[id(inner)] = name
         elif isinstance(node, Einsum):
             refs, labels = self._labels(node.inputs)
-            select, udf = einsum_select(node, refs, labels)
+            select, udfs = einsum_select(node, refs, labels)
         elif isinstance(node, Place):
             refs, labels = self._labels(node.inputs)
-            select, udf = place_select(node, refs, labels), "tra_place"
+            select, udfs = place_select(node, refs, labels), ["tra_place"]
         elif isinstance(node, Fill):
-            select, udf = fill_select(node), "tra_fill"
+            select, udfs = fill_select(node), ["tra_fill"]
         else:
             raise TypeError(f"cannot compile {type(node).__name__}")
         text = select.sql(dialect="duckdb")
         if text in self.by_sql:
             self.refs[id(node)] = self.by_sql[text]
             return
-        self.udfs.add(udf)
+        self.udfs.update(udfs)
         self.ctes.append((name, select, node))
         self.refs[id(node)] = self.by_sql[text] = name
 
@@ -333,3 +356,21 @@ class Program:
 
     def sql(self, dialect: str = "duckdb", pretty: bool = True) -> str:
         return self.query(dialect not in PLAIN_CTE_DIALECTS).sql(dialect=dialect, pretty=pretty)
+
+    def union_query(self, results: dict[str, Node]) -> exp.Select:
+        """Several results of one compiled DAG in one query: every step a materialized CTE,
+        then ``target, k0, ..., tile`` rows of each result (``target`` its key in ``results``;
+        keys past a result's rank are NULL)."""
+        rank = max((len(node.shape) for node in results.values()), default=0)
+        parts = []
+        for target, node in results.items():
+            keys = [exp.column(key(d)) if d < len(node.shape) else exp.cast(exp.Null(), "INTEGER")
+                    for d in range(rank)]
+            parts.append(exp.select(exp.alias_(exp.Literal.string(target), "target"), *_select_keys(keys, exp.column(
+                "tile"))).from_(exp.to_table(self.refs[id(node)], quoted=True)))
+        select = parts[0]
+        for part in parts[1:]:
+            select = exp.union(select, part, distinct=False)
+        for name, cte, _ in self.ctes:
+            select = select.with_(name, as_=cte, materialized=True)
+        return select

@@ -53,13 +53,19 @@ def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], st
 def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False) -> str:
     """Python source of the loop kernel ``kernel(out, X0, ..., Xn)``; ``out`` holds the
     running aggregate (the caller initializes it), ``join_code`` is a scalar expression
-    over ``x0..xn``. ``parallel`` splits the outermost output loop over threads (prange)."""
+    over ``x0..xn``. ``parallel`` splits the first output index's loop over threads (prange)."""
     arrays = [f"X{m}" for m in range(len(inputs))]
     size_of: dict[str, str] = {}
     for m, sub in enumerate(inputs):
         for d, ch in enumerate(sub):
             size_of.setdefault(ch, f"{arrays[m]}.shape[{d}]")
-    summed = [ch for ch in size_of if ch not in output]
+    # loops in order of first appearance (the first operand's memory order), but with the
+    # first output index outermost when threaded (threads then write disjoint outputs); the
+    # running value sits in a scalar over the innermost loops, which aggregate only
+    order = list(size_of)
+    if parallel:
+        order.insert(0, order.pop(order.index(output[0])))
+    split = max((d + 1 for d, ch in enumerate(order) if ch in output), default=0)
     var = {ch: f"i_{ch}" for ch in size_of}
     lines = [
         "import math",
@@ -72,14 +78,14 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     ]
     lines += [f"    n_{ch} = {size}" for ch, size in size_of.items()]
     indent = "    "
-    for d, ch in enumerate(output):
+    for d, ch in enumerate(order[:split]):
         loop = "numba.prange" if parallel and d == 0 else "range"
         lines.append(f"{indent}for {var[ch]} in {loop}(n_{ch}):")
         indent += "    "
     out_ref = f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
     lines.append(f"{indent}acc = {out_ref}")
     inner = indent
-    for ch in summed:
+    for ch in order[split:]:
         lines.append(f"{inner}for {var[ch]} in range(n_{ch}):")
         inner += "    "
     for m, sub in enumerate(inputs):

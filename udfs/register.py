@@ -273,6 +273,32 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     return _finish(meta, out_keys, buf, offsets, shapes, epilogue_cols)
 
 
+def reduce_partials(meta_col, out_keys_col, partials_col, *epilogue_cols):
+    """``tra_reduce[_<k>]``: one output tile per group, the aggregate of its joined rows'
+    partial results (each the einsum over one row's tiles, from ``tra_einsum_<n>``)."""
+    meta = StepMeta.parse(first_string(meta_col))
+    out_keys = key_matrix(out_keys_col, len(meta.output))
+    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    group_offsets, partials = list_views(partials_col)
+    counts = np.diff(group_offsets)
+    keys = np.repeat(out_keys, counts, axis=0)
+    elements = np.arange(len(keys))
+    views = binary_views(partials)
+    combine = REDUCE[meta.agg]
+    stacked = meta.result.stacked(*views, elements, keys) if _uniform(shapes) and (counts > 0).all() else None
+    if stacked is not None:
+        combine.reduceat(stacked, group_offsets[:-1], axis=0,
+                         out=buf.view(meta.result.dtype).reshape(len(out_keys), *shapes[0]))
+    else:
+        tiles = meta.result.views(*views, elements, keys)
+        for row in range(len(out_keys)):
+            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+            meta.kernel.init(out)
+            for element in range(group_offsets[row], group_offsets[row + 1]):
+                combine(out, tiles[element], out=out)
+    return _finish(meta, out_keys, buf, offsets, shapes, epilogue_cols)
+
+
 def _check_pieces(names, dtypes, parts, origins, extents, offsets, valid) -> None:
     """Every piece's bytes must match its shape and its source's dtype."""
     itemsize = np.array([d.itemsize for d in dtypes], dtype=np.int64)[parts]
@@ -356,6 +382,9 @@ def _signature(name: str):
     }
     if name in fixed:
         return fixed[name]
+    reduce = re.fullmatch(r"tra_reduce(?:_(\d+))?", name)
+    if reduce:  # with k epilogue operands: k (keys, tile) pairs after the list of partials
+        return reduce_partials, [VARCHAR, keys, duckdb.list_type(BLOB)] + [keys, BLOB] * int(reduce.group(1) or 0), BLOB
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)(?:_(\d+))?", name)
     if not match or (match.group(3) and not match.group(1)):
         raise ValueError(f"no tile UDF is named {name!r}")
