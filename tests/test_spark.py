@@ -3,6 +3,7 @@ two workers on 127.0.0.1) give DuckDB's results; tensors move between the engine
 killed mid-query does not change the answer. Skipped without pyspark or Java."""
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -144,13 +145,14 @@ def test_programs_equal_duckdb(sdb, duck):
 
 
 def test_grouped_aggregate_for_big_groups(sdb, duck):
-    """Steps whose groups hold many tile bytes run as a grouped aggregate UDF; same results."""
+    """Steps whose groups hold many tile (or partial result) bytes run as a grouped aggregate
+    UDF; same results."""
     t, ref = load(sdb, "g"), programs(duck, load(duck, "g"), full=False)
     sdb.group_bytes = 0
     try:
         for k in ("matmul_split", "join_agg"):
             step = programs(sdb, t, full=False)[k]
-            assert "TRA_EINSUM_GROUP_2(" in sdb.sql_text(step.program())
+            assert re.search(r"TRA_(EINSUM|REDUCE)_GROUP(_2)?\(", sdb.sql_text(step.program()))
             np.testing.assert_allclose(step.numpy(), ref[k].numpy(), rtol=1e-12, atol=1e-12, err_msg=k)
     finally:
         sdb.group_bytes = spark_sql.GROUP_BYTES
@@ -285,7 +287,7 @@ def numpy_gradient(x, y, w, b):
 
 
 def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
-    """A gradient and three SGD steps (two, then one more resuming the run) on the cluster:
+    """A gradient and two SGD steps (one, then one more resuming the run) on the cluster:
     DuckDB's numbers, and numpy's."""
     (loss, params, (x, y, w)), (dloss, dparams, _) = logistic_regression(cdb), logistic_regression(duck)
     _, gw, gb = numpy_gradient(x, y, w, np.zeros(3))
@@ -294,17 +296,17 @@ def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(a, want, rtol=1e-10, atol=1e-14)
     losses, b = [], np.zeros(3)
-    for _ in range(3):
+    for _ in range(2):
         value, gw, gb = numpy_gradient(x, y, w, b)
         losses.append(value)
         w, b = w - 0.5 * gw, b - 0.5 * gb
     runs = []
     for db, ps, lo in ((cdb, params, loss), (duck, dparams, dloss)):
-        db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False)
-        runs.append(db.train(lo, ps, SGD(lr=0.5), 3, run="lr", progress=False))
+        db.train(lo, ps, SGD(lr=0.5), 1, run="lr", progress=False)
+        runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
         np.testing.assert_allclose(db.tensor("lW").numpy(), w, rtol=1e-10)
         np.testing.assert_allclose(db.tensor("lb").numpy(), b, rtol=1e-10, atol=1e-14)
-    assert runs[0].epochs == runs[1].epochs == 3 and runs[0].steps == 3
+    assert runs[0].epochs == runs[1].epochs == 2 and runs[0].steps == 2
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-12)
     np.testing.assert_allclose(runs[0].losses, losses, rtol=1e-10)
 

@@ -2,13 +2,14 @@
 rewrite for memory.
 
 A fused join + aggregate step, ``tra_einsum_agg_<n>(meta, keys, ARRAY_AGG(STRUCT(...)))``,
-holds each group's list of tiles in one row; Spark copies such rows whole (aggregation
+and an aggregate of per-row partial results, ``tra_reduce(meta, keys, ARRAY_AGG(tile))``,
+hold each group's list of tiles in one row; Spark copies such rows whole (aggregation
 buffers, the projection around a Python UDF) and runs out of heap once a group holds
-MB-sized tiles. Where a group's tiles exceed ``group_bytes``, the step becomes the grouped
-aggregate UDF ``tra_einsum_group_<n>(meta, keys, keys0, tile0, ...)`` instead, which Spark
-feeds a group's rows in bounded batches after sorting by the group keys (see
-``spark_udfs.einsum_group``). Small tiles keep the list, which batches many groups into
-one kernel call.
+MB-sized tiles. Where a group's tiles exceed ``group_bytes``, the step becomes a grouped
+aggregate UDF instead, ``tra_einsum_group_<n>(meta, keys, keys0, tile0, ...)`` or
+``tra_reduce_group(meta, tile)``, which Spark feeds a group's rows in bounded batches after
+sorting by the group keys (see ``spark_udfs``). Small tiles keep the list, which batches
+many groups into one kernel call.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ DIALECT = "spark"
 #: Groups whose tiles exceed this many bytes go through the grouped aggregate UDF.
 GROUP_BYTES = 32 << 20
 FUSED = re.compile(r"tra_einsum_agg_(\d+)")
+REDUCE = "tra_reduce"
 
 
 def group_bytes(meta: dict) -> int:
@@ -37,8 +39,22 @@ def group_bytes(meta: dict) -> int:
     return per_row * prod(ceil(sizes[c] / tiles[c]) for c in aggregated)
 
 
+def partial_bytes(meta: dict) -> int:
+    """Bytes of partial results in one group of a ``tra_reduce`` step (interior tiles)."""
+    tiles, sizes = meta["tiles"], meta["sizes"]
+    aggregated = {c for sub in meta["inputs"] for c in sub} - set(meta["output"])
+    return prod(tiles[c] for c in meta["output"]) * np.dtype(meta["out_dtype"]).itemsize * \
+        prod(ceil(sizes[c] / tiles[c]) for c in aggregated)
+
+
 def ungroup(call: exp.Anonymous, limit: int) -> exp.Expression:
     """``call`` as a grouped aggregate UDF call if its groups exceed ``limit`` bytes."""
+    if call.name.lower() == REDUCE and len(call.expressions) == 3 and isinstance(call.expressions[2], exp.ArrayAgg):
+        meta, _, partials = call.expressions
+        info = json.loads(meta.name)
+        if "out_layout" in info or partial_bytes(info) <= limit:  # CSR partials stay a list
+            return call
+        return exp.Anonymous(this=f"{REDUCE}_group", expressions=[meta.copy(), partials.this.copy()])
     match = FUSED.fullmatch(call.name.lower())
     if not match or len(call.expressions) != 3 or not isinstance(call.expressions[2], exp.ArrayAgg):
         return call

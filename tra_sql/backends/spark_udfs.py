@@ -55,9 +55,33 @@ def einsum_group(batches) -> bytes:
     return out.tobytes()
 
 
+def reduce_group(batches) -> bytes:
+    """``tra_reduce_group(meta, partial)``, a grouped aggregate: the partial results of one
+    output tile (all of its shape) come in batches, each reduced with the step's aggregate.
+    Memory: one batch, never the group's whole list."""
+    from tra_sql.udfs.arrowio import binary_views, first_string
+    from tra_sql.udfs.register import REDUCE, StepMeta
+
+    out = None
+    for meta_col, partials in batches:
+        if not len(meta_col):
+            continue
+        meta = StepMeta.parse(first_string(meta_col))
+        data, offsets, _ = binary_views(partials)
+        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(partials), -1)
+        part = REDUCE[meta.agg].reduce(rows, axis=0)
+        out = part if out is None else REDUCE[meta.agg](out, part, out=out)
+    if out is None:
+        raise ValueError("tra_reduce_group: an empty group")
+    return out.tobytes()
+
+
+GROUPED = {"tra_reduce_group": reduce_group}
+
+
 def register(spark, names) -> None:
-    """Register the named tile UDFs (see ``tra_sql.udfs.register``, and ``einsum_group``) on
-    ``spark``."""
+    """Register the named tile UDFs (see ``tra_sql.udfs.register``, ``einsum_group`` and
+    ``reduce_group``) on ``spark``."""
     import warnings
 
     from pyspark.sql.functions import ArrowUDFType, arrow_udf
@@ -65,10 +89,11 @@ def register(spark, names) -> None:
     from tra_sql.udfs.register import _signature
 
     for name in names:
-        if re.fullmatch(r"tra_einsum_group_\d+", name):
+        grouped = einsum_group if re.fullmatch(r"tra_einsum_group_\d+", name) else GROUPED.get(name)
+        if grouped is not None:
             with warnings.catch_warnings():  # type hints cannot say "any number of arguments"
                 warnings.simplefilter("ignore", UserWarning)
-                udf = arrow_udf(einsum_group, "binary", ArrowUDFType.GROUPED_AGG_ITER)
+                udf = arrow_udf(grouped, "binary", ArrowUDFType.GROUPED_AGG_ITER)
             spark.udf.register(name, udf)
             continue
         function, _, result = _signature(name)
