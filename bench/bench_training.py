@@ -146,8 +146,7 @@ def tra_mf(users, items, count, k, epochs):
     db.con.execute("CREATE TABLE synthetic AS FROM _ratings").fetchall()
     sizes = mf.load(db, ratings_table="synthetic")
     weights = mf.initial_weights(sizes["users"], sizes["items"], k, 0)
-    params = {name: db.parameter(f"mf_{name}", init=v, tile=(1, k) if v.ndim == 2 else (1,))
-              for name, v in weights.items()}
+    params = {name: db.parameter(f"mf_{name}", init=v) for name, v in weights.items()}
     mean = db.from_numpy("mf_mean", np.array(sizes["mean"]))
     loss = mf.squared_error(db, params, mean, "train", 1 / sizes["train"])
     return epoch_seconds(db.train(loss, list(params.values()), Adam(lr=0.01), epochs + 1, run="bench",

@@ -4,8 +4,9 @@
 full-batch Adam with L2 weight decay on the factors. The ratings file shipped with RecBole
 (``pip install --no-deps recbole==1.2.1``; located without importing it) is read into a DuckDB
 table; ids are mapped to indices and the 80/20 split is drawn in SQL; the ratings are a sparse
-tensor relation (1x1 tiles, a view over the table), so the prediction is an einsum that joins
-each rating with its user's and item's factor rows. The same model runs in PyTorch.
+tensor relation (a view over the table, kept as CSR tiles), so the prediction is an einsum
+over the ratings' entries that reads each rating's user and item factor rows. The same model
+runs in PyTorch.
 
     python examples/mf.py --epochs 100
 """
@@ -50,8 +51,10 @@ def load(db: tra_sql.Session, path: str | None = None, ratings_table: str | None
     for split in ("train", "test"):
         con.execute(f"CREATE OR REPLACE VIEW ratings_{split} AS SELECT u, i, r FROM ratings "
                     f"WHERE split = '{split}'").fetchall()
-        db.relation(f"ratings_{split}", ("u", "i"), "r", (users, items), name=f"R_{split}", replace=True)
-        db.relation(f"ratings_{split}", ("u", "i"), None, (users, items), name=f"M_{split}", replace=True)
+        db.relation(f"ratings_{split}", ("u", "i"), "r", (users, items), name=f"R_{split}", replace=True,
+                    layout="csr")
+        db.relation(f"ratings_{split}", ("u", "i"), None, (users, items), name=f"M_{split}", replace=True,
+                    layout="csr")
         sizes[split] = con.execute(f"SELECT count(*) FROM ratings_{split}").fetchall()[0][0]
     return sizes
 
@@ -107,8 +110,7 @@ def run(epochs: int = 100, k: int = 32, lr: float = 0.02, weight_decay: float = 
         setup(db)
     sizes = load(db, ratings_table=ratings_table)
     weights = initial_weights(sizes["users"], sizes["items"], k, seed)
-    params = {name: db.parameter(f"mf_{name}", init=value, tile=(1, k) if value.ndim == 2 else (1,))
-              for name, value in weights.items()}
+    params = {name: db.parameter(f"mf_{name}", init=value) for name, value in weights.items()}
     mean = db.from_numpy("mf_mean", np.array(sizes["mean"]), replace=True)
     loss = squared_error(db, params, mean, "train", 1 / sizes["train"])
     optimizer = Adam(lr=lr, weight_decay={"mf_P": weight_decay, "mf_Q": weight_decay})

@@ -60,14 +60,40 @@ def test_sparse_dense_products(db, rng, spec):
     np.testing.assert_allclose(Y.numpy(), np.einsum(spec, dense, x), rtol=1e-10, atol=1e-10)
 
 
-def test_other_einsums_see_the_tile_densified(db, rng):
-    dense = edge_table(db, rng, (12, 9), 100)  # every block has entries: joins see all tiles
+def test_other_einsums_run_over_the_entries(db, rng):
+    """Elements that are not entries take no part (as absent rows of a relation do not); a
+    result subscripted like the CSR operand has its entries."""
+    dense = edge_table(db, rng, (12, 9), 40)
     A = db.relation("edges", ("dst", "src"), "w", (12, 9), name="A", layout="csr", tile=(5, 4))
-    B = db.from_numpy("B", rng.standard_normal((12, 9)), tile=(5, 4))
+    b = rng.standard_normal((12, 9))
+    B = db.from_numpy("B", b, tile=(5, 4))
+    count = np.zeros((12, 9))
+    np.add.at(count, tuple(np.array(db.sql("SELECT dst, src FROM edges").fetchall()).T), 1)
     np.testing.assert_allclose(db.einsum("ab->ba", A).numpy(), dense.T)
-    np.testing.assert_allclose(db.einsum("ab,ab->a", A, B).numpy(), (dense * B.numpy()).sum(1))
-    np.testing.assert_allclose(db.einsum("ab,ab->ab", A, B, join="greatest(x0, x1)").numpy(),
-                               np.maximum(dense, B.numpy()))
+    np.testing.assert_allclose(db.einsum("ab,ab->a", A, B).numpy(), (dense * b).sum(1))
+    top = db.einsum("ab,ab->ab", A, B, join="greatest(x0, x1)")
+    assert top.node.layout == "csr"
+    # each entry (duplicates too) gives max(w, b); the result's entries add up when assembled
+    expected = np.zeros((12, 9))
+    for (r, c, w) in db.sql("SELECT dst, src, w FROM edges").fetchall():
+        expected[r, c] += max(w, b[r, c])
+    np.testing.assert_allclose(top.numpy(), expected)
+    np.testing.assert_allclose(db.einsum("ab,ab->", A, B, join="x1").numpy(), (count * b).sum())
+    sampled = db.einsum("ab,ac,bc->ab", A, B[:, :3], B[:9, :3], join="x1 * x2")   # a sampled product
+    np.testing.assert_allclose(sampled.numpy(), (count > 0) * count * (b[:, :3] @ b[:9, :3].T))
+
+
+def test_csr_operands_must_share_their_entries(db, rng):
+    edge_table(db, rng, (6, 6), 10)
+    A = db.relation("edges", ("dst", "src"), "w", (6, 6), name="A", layout="csr")
+    B = db.relation("edges", ("dst", "src"), None, (6, 6), name="B", layout="csr")
+    np.testing.assert_allclose(db.einsum("ab,ab->ab", A, B, join="x0 * x1").numpy(), A.numpy())
+    db.con.execute("CREATE TABLE other AS SELECT (dst + 1) % 6 AS dst, src, w FROM edges").fetchall()
+    C = db.relation("other", ("dst", "src"), "w", (6, 6), name="C", layout="csr")
+    with pytest.raises(tra_sql.ShapeError, match="different nonzero patterns"):
+        db.einsum("ab,ab->ab", A, C, join="x0 * x1").numpy()
+    with pytest.raises(tra_sql.ShapeError, match="subscripted alike"):
+        db.einsum("ab,ba->ab", A, B, join="x0 * x1").numpy()
 
 
 def test_gradient_through_a_csr_product(db, rng):

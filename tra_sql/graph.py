@@ -123,6 +123,12 @@ class Einsum(Node):
         return f"einsum {self.spec}{extra}"
 
     @property
+    def layout(self) -> str:
+        """``csr`` when the output is subscripted like a CSR operand: the result has its entries."""
+        sparse = any(op.layout == "csr" and sub == self.spec.output for sub, op in zip(self.spec.inputs, self.operands))
+        return "csr" if sparse else "dense"
+
+    @property
     def sizes(self) -> dict[str, int]:
         return {c: n for sub, op in zip(self.spec.inputs, self.operands) for c, n in zip(sub, op.shape)}
 

@@ -75,9 +75,11 @@ class Epilogue:
 
 
 def _layouts(node: Einsum) -> dict:
-    """The operands' tile layouts for the kernel's meta, when any is not dense."""
+    """The operands' and the result's tile layouts for the kernel's meta, when any is not dense."""
     layouts = [op.layout for op in node.operands]
-    return {"layouts": layouts} if any(layout != "dense" for layout in layouts) else {}
+    if all(layout == "dense" for layout in layouts):
+        return {}
+    return {"layouts": layouts} | ({"out_layout": node.layout} if node.layout != "dense" else {})
 
 
 def einsum_select(node: Einsum, refs: list[str], names: list[str],
@@ -163,14 +165,14 @@ def partials_first(node: Einsum) -> bool:
     size = node.tiles
     out = prod(size[c] for c in node.spec.output) * node.dtype.itemsize
     inputs = sum(prod(size[c] for c in sub) * op.dtype.itemsize for sub, op in zip(node.spec.inputs, node.operands))
-    return out <= inputs
+    return out <= inputs or node.layout != "dense"
 
 
 def fusable(node: Node, consumers: Counter) -> int | None:
     """The operand of ``node`` that can absorb ``node`` as an epilogue: ``node`` is an
     element-wise einsum (custom join, nothing aggregated) over a plain contraction that only
     it consumes, laid out exactly as ``node``'s output (so tiles correspond one to one)."""
-    if not isinstance(node, Einsum) or node.join is None or node.spec.aggregated:
+    if not isinstance(node, Einsum) or node.join is None or node.spec.aggregated or node.layout != "dense":
         return None
     for p, (op, sub) in enumerate(zip(node.operands, node.spec.inputs)):
         if (isinstance(op, Einsum) and op.join is None and op.agg == "sum" and consumers[id(op)] == 1

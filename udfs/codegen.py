@@ -50,23 +50,33 @@ def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], st
     return tuple("".join(names[c] for c in s) for s in inputs), "".join(names[c] for c in output)
 
 
-def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False) -> str:
+def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False,
+                  sparse: tuple[int, ...] = ()) -> str:
     """Python source of the loop kernel ``kernel(out, X0, ..., Xn)``; ``out`` holds the
     running aggregate (the caller initializes it), ``join_code`` is a scalar expression
-    over ``x0..xn``. ``parallel`` splits the first output index's loop over threads (prange)."""
+    over ``x0..xn``. ``parallel`` splits the first output index's loop over threads (prange).
+
+    With ``sparse`` (positions of CSR operands, all with the same two-index subscript, the
+    pattern), the kernel is ``kernel(out, ROWS, COLS, X0, ..., Xn)``: the sparse operands are
+    the data arrays of tiles sharing the entries (``ROWS[q]``, ``COLS[q]``), the loop runs over
+    entries instead of the pattern's indices, and an output subscripted like the pattern is
+    the data array of such a tile (``out[q]``)."""
     arrays = [f"X{m}" for m in range(len(inputs))]
+    pattern = inputs[sparse[0]] if sparse else ""
     size_of: dict[str, str] = {}
     for m, sub in enumerate(inputs):
         for d, ch in enumerate(sub):
-            size_of.setdefault(ch, f"{arrays[m]}.shape[{d}]")
-    # loops in order of first appearance (the first operand's memory order), but with the
-    # first output index outermost when threaded (threads then write disjoint outputs); the
-    # running value sits in a scalar over the innermost loops, which aggregate only
-    order = list(size_of)
-    if parallel:
+            if m not in sparse and ch not in pattern:
+                size_of.setdefault(ch, f"{arrays[m]}.shape[{d}]")
+    var = {ch: f"i_{ch}" for ch in "".join(inputs)} | {"@": "i_q"}
+    # loops in order of first appearance (the first operand's memory order), entries first,
+    # the first output index outermost when threaded (threads then write disjoint outputs);
+    # the running value sits in a scalar over the innermost loops, which aggregate only
+    order = (["@"] if sparse else []) + list(size_of)
+    if parallel and not sparse:
         order.insert(0, order.pop(order.index(output[0])))
-    split = max((d + 1 for d, ch in enumerate(order) if ch in output), default=0)
-    var = {ch: f"i_{ch}" for ch in size_of}
+    decides = {"@": bool(set(output) & set(pattern))} | {ch: ch in output for ch in size_of}
+    split = max((d + 1 for d, ch in enumerate(order) if decides[ch]), default=0)
     lines = [
         "import math",
         "import numba",
@@ -74,42 +84,53 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         "",
         "",
         f"@numba.njit(nogil=True, cache=True{', parallel=True' if parallel else ''})",
-        f"def kernel(out, {', '.join(arrays)}):",
+        f"def kernel(out, {'ROWS, COLS, ' if sparse else ''}{', '.join(arrays)}):",
     ]
-    lines += [f"    n_{ch} = {size}" for ch, size in size_of.items()]
+    lines += [f"    n_{ch} = {size}" for ch, size in size_of.items()] + (["    n_q = len(ROWS)"] if sparse else [])
+    lines += [f"    s{m} = {arrays[m]}[()]" for m, sub in enumerate(inputs) if not sub]  # scalars, read once
     indent = "    "
-    for d, ch in enumerate(order[:split]):
-        loop = "numba.prange" if parallel and d == 0 else "range"
-        lines.append(f"{indent}for {var[ch]} in {loop}(n_{ch}):")
+
+    def loop(ch: str, threaded: bool) -> None:
+        nonlocal indent
+        name = "q" if ch == "@" else ch
+        lines.append(f"{indent}for {var[ch]} in {'numba.prange' if threaded else 'range'}(n_{name}):")
         indent += "    "
-    out_ref = f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
+        if ch == "@":
+            lines.extend([f"{indent}{var[pattern[0]]} = ROWS[i_q]", f"{indent}{var[pattern[1]]} = COLS[i_q]"])
+
+    for d, ch in enumerate(order[:split]):
+        loop(ch, parallel and d == 0)
+    out_ref = "out[i_q]" if sparse and output == pattern else \
+        f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
     lines.append(f"{indent}acc = {out_ref}")
-    inner = indent
+    outer = indent
     for ch in order[split:]:
-        lines.append(f"{inner}for {var[ch]} in range(n_{ch}):")
-        inner += "    "
+        loop(ch, False)
     for m, sub in enumerate(inputs):
-        ref = f"{arrays[m]}[{', '.join(var[c] for c in sub)}]" if sub else f"{arrays[m]}[()]"
-        lines.append(f"{inner}x{m} = {ref}")
-    lines.append(f"{inner}v = {join_code}")
-    lines.append(f"{inner}{AGG_UPDATE[agg]}")
-    lines.append(f"{indent}{out_ref} = acc")
+        ref = f"{arrays[m]}[i_q]" if m in sparse else \
+            f"{arrays[m]}[{', '.join(var[c] for c in sub)}]" if sub else f"s{m}"
+        lines.append(f"{indent}x{m} = {ref}")
+    lines.append(f"{indent}v = {join_code}")
+    lines.append(f"{indent}{AGG_UPDATE[agg]}")
+    lines.append(f"{outer}{out_ref} = acc")
     return "\n".join(lines) + "\n"
 
 
 _compiling = threading.Lock()
 
 
-def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False):
-    """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation.
-    Thread-safe: DuckDB may call UDFs needing the same new kernel from several threads."""
+def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False,
+                sparse: tuple[int, ...] = ()):
+    """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation
+    (``sparse``: see ``kernel_source``). Thread-safe: DuckDB may call UDFs needing the same
+    new kernel from several threads."""
     with _compiling:
-        return _load(inputs, output, join_code, agg, parallel)
+        return _load(inputs, output, join_code, agg, parallel, sparse)
 
 
 @cache
-def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool):
-    source = kernel_source(inputs, output, join_code, agg, parallel)
+def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool, sparse: tuple[int, ...]):
+    source = kernel_source(inputs, output, join_code, agg, parallel, sparse)
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     module_name = f"tra_kernel_{digest}"
     path = cache_dir() / f"{module_name}.py"

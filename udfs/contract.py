@@ -76,13 +76,11 @@ class TileEinsum:
 
     def accumulate(self, out: np.ndarray, tiles: list[np.ndarray], scratch: bool = True) -> None:
         """Aggregate this tile set into ``out``; ``scratch=False`` means ``out`` holds only
-        the identity, so a BLAS product may be written straight into it. CSR tiles run
-        sparse-dense products in a sparse kernel and are densified for anything else."""
+        the identity, so a BLAS product may be written straight into it. With CSR tiles, see
+        ``sparse.accumulate``."""
         if any(isinstance(t, sparse.CSRTile) for t in tiles):
-            product = self.join_code is None and self.agg == "sum"
-            tiles = sparse.accumulate(self.inputs, self.output, product, out, tiles)
-            if tiles is None:
-                return
+            sparse.accumulate(self.inputs, self.output, self.join_code, self.agg, out, tiles)
+            return
         layout = self._matmul_layout
         if layout is None:
             self._loop(out)(out, *tiles)

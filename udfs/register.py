@@ -31,11 +31,11 @@ import pyarrow as pa
 from duckdb.sqltypes import BIGINT, BLOB, DOUBLE, INTEGER, VARCHAR
 
 from tra_sql.errors import CorruptTileError
+from tra_sql.udfs import sparse
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
 from tra_sql.udfs.sparse import CSRTile
-from tra_sql.udfs.sparse import check as check_csr
 
 BATCH_ELEMENTS = 1 << 22  # the most partial-result elements a batched group step may hold
 REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -101,7 +101,7 @@ class Operand:
         shape = tile_shapes(key, self.sizes, self.tiles)
         if not valid[row]:
             raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{self.name}' is NULL")
-        return check_csr(self.name, key, data[offsets[row] : offsets[row + 1]], shape, self.dtype)
+        return sparse.check(self.name, key, data[offsets[row] : offsets[row + 1]], shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class StepMeta:
     epilogue: StepMeta | None = None  # an element-wise einsum applied to the result
     position: int = 0  # where the result enters the epilogue's operands
     layouts: tuple[str, ...] = ()  # per operand; empty: all dense
+    out_layout: str = "dense"
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -132,7 +133,7 @@ class StepMeta:
         return StepMeta(
             tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
             m["out_dtype"], tuple(m["names"]), m.get("join"), m.get("agg", "sum"),
-            epilogue, m.get("position", 0), tuple(m.get("layouts", ())),
+            epilogue, m.get("position", 0), tuple(m.get("layouts", ())), m.get("out_layout", "dense"),
         )
 
     @property
@@ -151,7 +152,13 @@ class StepMeta:
     @cached_property
     def result(self) -> Operand:
         return Operand("result", np.dtype(self.out_dtype), self._vec(self.sizes, self.output),
-                       self._vec(self.tiles, self.output))
+                       self._vec(self.tiles, self.output), self.out_layout)
+
+    @cached_property
+    def pattern(self) -> int:
+        """The CSR operand whose entries a CSR result has."""
+        return next(m for m, (sub, op) in enumerate(zip(self.inputs, self.operands))
+                    if op.layout == "csr" and sub == self.output)
 
     @cached_property
     def kernel(self) -> TileEinsum:
@@ -231,9 +238,18 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     of the output) share a shape, the whole batch is one kernel call over stacked tiles."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
     rows = np.arange(len(out_keys))
     own = 2 * len(meta.inputs)
+    if meta.result.layout == "csr":
+        tiles, _ = _operand_tiles(meta, operand_cols[:own], rows, False)
+        results = []
+        for row in rows:
+            buf, out = sparse.like(tiles[meta.pattern][row], meta.result.dtype)
+            meta.kernel.init(out)
+            meta.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+            results.append(buf)
+        return sparse.concat(results)
+    buf, offsets, shapes = _allocate(meta.result, out_keys)
     tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes))
     if stacked:
         out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
@@ -278,13 +294,22 @@ def reduce_partials(meta_col, out_keys_col, partials_col, *epilogue_cols):
     partial results (each the einsum over one row's tiles, from ``tra_einsum_<n>``)."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
     group_offsets, partials = list_views(partials_col)
     counts = np.diff(group_offsets)
     keys = np.repeat(out_keys, counts, axis=0)
     elements = np.arange(len(keys))
     views = binary_views(partials)
     combine = REDUCE[meta.agg]
+    if meta.result.layout == "csr":  # a group's partial results share their entries
+        tiles = meta.result.views(*views, elements, keys)
+        results = []
+        for row in range(len(out_keys)):
+            group = tiles[group_offsets[row] : group_offsets[row + 1]]
+            buf, out = sparse.like(group[0], meta.result.dtype)
+            combine.reduce(np.stack([t.data for t in group]), axis=0, out=out)
+            results.append(buf)
+        return sparse.concat(results)
+    buf, offsets, shapes = _allocate(meta.result, out_keys)
     stacked = meta.result.stacked(*views, elements, keys) if _uniform(shapes) and (counts > 0).all() else None
     if stacked is not None:
         combine.reduceat(stacked, group_offsets[:-1], axis=0,
@@ -364,7 +389,7 @@ def fill(meta_col, out_keys_col):
 
 def _signature(name: str):
     """(Python function, parameter types, result type) of a UDF name."""
-    from tra_sql.udfs import elements, pack, sparse
+    from tra_sql.udfs import elements, pack
 
     keys = duckdb.list_type(BIGINT)
     fixed = {

@@ -5,10 +5,14 @@ A tensor with layout ``csr`` is a 2-D tensor relation whose tile bytes are, back
 multiple of 8 bytes) and ``data`` (the tensor's dtype, nnz entries); the tile's shape comes from
 the catalog's geometry like any tile's. Elements no entry names are zeros.
 
-A sum-of-products einsum of a CSR tile with one dense tile that keeps one of its indices and
-contracts the other (``vu,uf->vf`` or ``vu,vf->uf``, the sparse-dense products of message
-passing and their gradients) runs as a Numba kernel over the nonzeros; any other einsum sees
-the tile densified.
+Elements that are not entries take no part in an einsum, as absent rows of a relation do
+not: a sum-of-products einsum of a CSR tile with one dense tile that keeps one of its indices
+and contracts the other (``vu,uf->vf`` or ``vu,vf->uf``, the sparse-dense products of message
+passing and their gradients) runs as a dedicated Numba kernel over the entries; any other
+einsum as a loop kernel over the entries (``codegen.kernel_source`` with ``sparse``). An
+einsum whose output is subscripted like its CSR operands (``ui,uk,ik->ui``: a sampled product;
+element-wise maps) has a CSR result with their entries; CSR operands of one einsum must share
+their entries.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cache
-from math import prod
 
 import numpy as np
 import pyarrow as pa
 
 from tra_sql.errors import CorruptTileError, ShapeError
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
+from tra_sql.udfs.codegen import canonical, loop_kernel
 
-DENSIFY_BYTES = 1 << 28  # the largest CSR tile an einsum without a sparse kernel may densify
+PARALLEL_ENTRIES = 1 << 16  # CSR outputs with this many entries are computed on several threads
 
 
 def _padded(nnz: int) -> int:
@@ -70,10 +74,30 @@ class CSRTile:
         return out
 
 
+def like(tile: CSRTile, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a new CSR tile with ``tile``'s entries and ``dtype`` values, and a view of
+    its (uninitialized) data array."""
+    rows, nnz = tile.shape[0], len(tile.indices)
+    buf = np.empty(nbytes(rows, nnz, dtype.itemsize), np.uint8)
+    head = 8 * (rows + 1)
+    buf[:head].view(np.int64)[:] = tile.indptr
+    buf[head : head + 4 * nnz].view(np.int32)[:] = tile.indices
+    buf[head + 4 * nnz : head + _padded(nnz)] = 0
+    return buf, buf[head + _padded(nnz) :].view(dtype)
+
+
+def concat(tiles: list[np.ndarray]) -> pa.Array:
+    """A BLOB array of the tile byte buffers ``tiles``."""
+    offsets = np.zeros(len(tiles) + 1, np.int64)
+    np.cumsum([len(t) for t in tiles], out=offsets[1:])
+    return binary_array(np.concatenate(tiles) if tiles else np.empty(0, np.uint8), offsets)
+
+
 def encode(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     """The bytes of the CSR tile of ``shape`` holding ``values`` at (``rows``, ``cols``), in
-    row order (entries of one row keep their order; repeated positions stay separate terms)."""
-    order = np.argsort(rows, kind="stable")
+    (row, column) order, so the same positions always make the same entries (repeated
+    positions stay separate entries)."""
+    order = np.lexsort((cols, rows))
     nnz = len(order)
     buf = np.zeros(nbytes(shape[0], nnz, values.dtype.itemsize), np.uint8)
     head = 8 * (shape[0] + 1)
@@ -104,9 +128,7 @@ def pack_csr(meta_col, keys_col, rows_col, cols_col, values_col) -> pa.Array:
         if len(r) and (r.min() < 0 or c.min() < 0 or r.max() >= tile_shape[0] or c.max() >= tile_shape[1]):
             raise ShapeError(f"{meta['name']}: an entry of tile {tuple(key.tolist())} lies outside it")
         tiles.append(encode(r, c, values[part], tuple(int(n) for n in tile_shape)))
-    offsets = np.zeros(len(tiles) + 1, np.int64)
-    np.cumsum([len(t) for t in tiles], out=offsets[1:])
-    return binary_array(np.concatenate(tiles) if tiles else np.empty(0, np.uint8), offsets)
+    return concat(tiles)
 
 
 def check(name: str, key, buf: np.ndarray, shape, dtype: np.dtype) -> CSRTile:
@@ -141,29 +163,49 @@ def _product_layout(inputs: tuple[str, ...], output: str, position: int):
     return None
 
 
-def accumulate(inputs: tuple[str, ...], output: str, product: bool, out: np.ndarray, tiles: list) -> list | None:
-    """Add a sparse-dense product into ``out`` and return None, or return ``tiles`` with the
-    CSR ones densified for the dense kernels (``product``: the einsum is a sum of products)."""
+def same_entries(a: CSRTile, b: CSRTile) -> bool:
+    return a.shape == b.shape and np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
+
+
+def accumulate(inputs: tuple[str, ...], output: str, join_code: str | None, agg: str, out: np.ndarray,
+               tiles: list) -> None:
+    """Aggregate an einsum over tiles, some CSR, into ``out`` (the data array of a CSR tile
+    with the entries of the CSR operands when ``output`` is subscripted like them). Their
+    absent elements take no part (as absent rows of a relation do): a sparse-dense product
+    runs as a dedicated kernel, anything else as a loop kernel over the entries."""
     sparse = [m for m, t in enumerate(tiles) if isinstance(t, CSRTile)]
-    layout = _product_layout(inputs, output, sparse[0]) if product and len(tiles) == 2 and len(sparse) == 1 else None
-    if layout is None:
-        for m in sparse:
-            if prod(tiles[m].shape) * tiles[m].data.dtype.itemsize > DENSIFY_BYTES:
-                raise ShapeError(f"einsum {','.join(inputs)}->{output} would densify a CSR tile of shape "
-                                 f"{tiles[m].shape}: only sparse-dense products run on CSR tiles; use smaller tiles")
-        return [t.dense() if isinstance(t, CSRTile) else t for t in tiles]
-    csr, dense = tiles[sparse[0]], tiles[1 - sparse[0]]
+    layout = _product_layout(inputs, output, sparse[0]) \
+        if join_code is None and agg == "sum" and len(tiles) == 2 and len(sparse) == 1 else None
+    if layout is not None:
+        _product(inputs, output, out, tiles, sparse[0], layout)
+        return
+    pattern, first = inputs[sparse[0]], tiles[sparse[0]]
+    if pattern[0] == pattern[1] or any(inputs[m] != pattern for m in sparse):
+        raise ShapeError(f"einsum {','.join(inputs)}->{output}: CSR operands must all be subscripted alike, "
+                         f"by two different indices")
+    if not all(same_entries(first, tiles[m]) for m in sparse[1:]):
+        raise ShapeError(f"einsum {','.join(inputs)}->{output}: CSR operands with different nonzero patterns")
+    code = join_code or " * ".join(f"x{m}" for m in range(len(inputs)))
+    canonical_inputs, canonical_output = canonical(inputs, output)
+    parallel = output == pattern and len(first.data) >= PARALLEL_ENTRIES
+    kernel = loop_kernel(canonical_inputs, canonical_output, code, agg, parallel, tuple(sparse))
+    rows = np.repeat(np.arange(first.shape[0], dtype=np.int64), np.diff(first.indptr))
+    kernel(out, rows, first.indices, *[t.data if isinstance(t, CSRTile) else t for t in tiles])
+
+
+def _product(inputs: tuple[str, ...], output: str, out: np.ndarray, tiles: list, position: int, layout) -> None:
+    """A sparse-dense product (see ``_product_layout``) added into the dense ``out``."""
+    csr, dense = tiles[position], tiles[1 - position]
     kept, contracted, rest = layout
-    sub = inputs[1 - sparse[0]]
+    sub = inputs[1 - position]
     operand = dense.transpose([sub.index(c) for c in [contracted, *rest]])
     operand = np.ascontiguousarray(operand.reshape(operand.shape[0], -1))
     natural = [kept, *rest]
-    n_kept = csr.shape[inputs[sparse[0]].index(kept)]
+    n_kept = csr.shape[inputs[position].index(kept)]
     direct = natural == list(output) and out.flags.c_contiguous
     target = out.reshape(n_kept, -1) if direct else np.zeros((n_kept, operand.shape[1]), out.dtype)
-    kernel = _kernels().csr_t_dense if inputs[sparse[0]][1] == kept else _kernels().csr_dense
+    kernel = _kernels().csr_t_dense if inputs[position][1] == kept else _kernels().csr_dense
     kernel(csr.indptr, csr.indices, csr.data, operand, target)
     if not direct:
         sizes = [n_kept] + [dense.shape[sub.index(c)] for c in rest]
         out += target.reshape(sizes).transpose([natural.index(c) for c in output])
-    return None
