@@ -3,7 +3,7 @@
     python bench/bench_plan.py                   # everything (about 4 minutes)
     python bench/bench_plan.py --section plans   # chain, MLP, transformer block: predicted vs measured
     python bench/bench_plan.py --section llama   # planning time of a LLaMA-7B-shaped decoder
-    python bench/bench_plan.py --section ooc     # a matmul whose inputs are 4x DuckDB's memory_limit
+    python bench/bench_plan.py --section ooc     # a matmul whose inputs are 4x DuckDB's memory_limit (1 GB)
 
 Each executed plan runs ``Tensor.numpy(plan=...)`` (best of ``--repeat`` after a warm-up);
 the constants come from ``db.calibrate()`` in the same run. Plans that split nothing more
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import tempfile
@@ -28,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
+from tra_sql import catalog  # noqa: E402
+from tra_sql.catalog import TensorInfo  # noqa: E402
 from tra_sql.decompose import Constants, graphs, make_plan  # noqa: E402
 from tra_sql.decompose.calibrate import save  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
@@ -139,20 +142,17 @@ def section_llama(db, args) -> None:
 
 
 class Peak:
-    """Peak DuckDB buffer memory (polled) and peak process RSS while a block runs."""
+    """Peak process RSS while a block runs (polled)."""
 
-    def __init__(self, con):
-        self.cursor = con.cursor()
+    def __init__(self):
         self.proc = psutil.Process(os.getpid())
-        self.duck = self.rss = 0
-        self._stop = False
+        self.rss = 0
+        self._stop = threading.Event()
 
     def _poll(self):
-        while not self._stop:
-            used = self.cursor.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchall()[0][0]
-            self.duck = max(self.duck, int(used))
+        while not self._stop.is_set():
             self.rss = max(self.rss, self.proc.memory_info().rss)
-            time.sleep(0.01)
+            self._stop.wait(0.01)
 
     def __enter__(self):
         self.rss0 = self.proc.memory_info().rss
@@ -161,58 +161,82 @@ class Peak:
         return self
 
     def __exit__(self, *exc):
-        self._stop = True
+        self._stop.set()
         self.thread.join()
 
 
+def ooc_tile(seed: int, key: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """The float32 tile at ``key`` of an out-of-core input (standard normal, seeded by key)."""
+    return np.random.default_rng((seed, *key)).standard_normal(shape, dtype=np.float32)
+
+
+def store_streamed(db, name: str, shape: tuple[int, ...], tile: tuple[int, ...], seed: int) -> None:
+    """Store a tensor tile by tile (never whole in memory), its tiles uncompressed."""
+    info = TensorInfo(name, np.dtype("float32"), shape, tile)
+    keys = ", ".join(f"0::INTEGER AS k{d}" for d in range(len(shape)))
+    catalog.create_tensor_table(db.con, info, f"SELECT {keys}, ''::BLOB AS tile WHERE false", replace=True)
+    marks = ", ".join("?" * (len(shape) + 1))
+    for key in itertools.product(*(range(g) for g in info.grid)):
+        data = ooc_tile(seed, key, info.tile_shape(key))
+        db.con.execute(f'INSERT INTO "{name}" VALUES ({marks})', [*key, data.tobytes()]).fetchall()
+
+
+def assemble(shape: tuple[int, ...], tile: tuple[int, ...], seed: int) -> np.ndarray:
+    out = np.empty(shape, dtype=np.float32)
+    info = TensorInfo("", out.dtype, shape, tile)
+    for key in itertools.product(*(range(g) for g in info.grid)):
+        region = tuple(slice(k * t, k * t + n) for k, t, n in zip(key, tile, info.tile_shape(key)))
+        out[region] = ooc_tile(seed, key, info.tile_shape(key))
+    return out
+
+
 def section_ooc(args, consts) -> None:
+    """C = A @ B with A m x K, B K x n float32 stored in a database file, K chosen so that the
+    inputs total 4x DuckDB's memory_limit; planned by ``db.plan`` under that limit and run with
+    ``store(plan=...)``; against numpy's in-memory ``A @ B`` (same shape, same data)."""
     limit = args.ooc_limit
-    m, k, n = (2048, 8192, 2048) if args.quick else (4096, 8192, 4096)
-    # inputs of 4x memory_limit: pick k so that (m + n) * k * 4 bytes = 4 * limit
-    k = int(4 * limit / (4 * (m + n)))
-    print(f"## Out of core: C = A @ B, A {m}x{k}, B {k}x{n} float32 (inputs {(m + n) * k * 4 / 1e6:.0f} MB) "
-          f"with DuckDB memory_limit = {limit / 1e6:.0f} MB\n")
-    rng = np.random.default_rng(0)
-    A = rng.standard_normal((m, k), dtype=np.float32)
-    B = rng.standard_normal((k, n), dtype=np.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        # load with room for one input's transaction, then checkpoint and lower the limit
+    m = n = args.ooc_mn
+    K = int(4 * limit / (4 * (m + n)))
+    kt = args.ooc_k_tile
+    print(f"## Out of core: C = A @ B, A {m}x{K}, B {K}x{n} float32 (inputs {(m + n) * K * 4 / 1e6:.0f} MB, "
+          f"tiles {m}x{kt} and {kt}x{n}) with DuckDB memory_limit = {limit / 1e6:.0f} MB\n")
+    with tempfile.TemporaryDirectory(dir=args.ooc_dir) as tmp:
         db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), threads=args.workers, memory_limit="4GB")
+        save(db.con, consts)
         db.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
-        # small tiles: DuckDB loads a scanned table a 2048-row vector at a time (see cost.scan_memory)
-        tile = tuple(args.ooc_tile)
-        tA, tB = db.from_numpy("A", A, tile=tile), db.from_numpy("B", B, tile=tile[::-1])
+        # tiles uncompressed: DuckDB would pick ZSTD for these blobs, and reading one tile of a
+        # ZSTD segment decompresses most of it; one checkpoint at the end of the load
+        db.con.execute("SET force_compression = 'uncompressed'").fetchall()
+        db.con.execute("SET checkpoint_threshold = '16GB'").fetchall()
+        start = time.perf_counter()
+        store_streamed(db, "A", (m, K), (m, kt), 1)
+        store_streamed(db, "B", (K, n), (kt, n), 2)
         db.con.execute("CHECKPOINT").fetchall()
+        db.con.execute("RESET checkpoint_threshold").fetchall()
+        size = os.path.getsize(Path(tmp) / "ooc.duckdb")
+        print(f"stored tile by tile in {time.perf_counter() - start:.1f} s (database file {size / 1e6:.0f} MB)\n")
         db.con.execute(f"SET memory_limit = '{limit / 1e6:.0f}MB'").fetchall()
-        C = db.einsum("ij,jk->ik", tA, tB)
-        try:
-            plan = make_plan(C.node, args.workers, limit / args.workers, consts)
-        except tra_sql.TraError as err:
-            print(f"no plan: {err}\n")
-            db.close()
-            return
+        C = db.einsum("ij,jk->ik", db.tensor("A"), db.tensor("B"))
+        plan = db.plan(C, workers=args.workers)
         print("```\n" + plan.explain() + "\n```\n")
-        if plan.cost > args.ooc_max_seconds:
-            print(f"skipped: predicted {plan.cost:.0f} s > --ooc-max-seconds {args.ooc_max_seconds:.0f}\n")
-            db.close()
-            return
-        with Peak(db.con) as peak:
+        with Peak() as peak:
             start = time.perf_counter()
             out = C.store("C", plan=plan)
             elapsed = time.perf_counter() - start
         got = out.numpy()
         db.close()
-    start = time.perf_counter()
+    A, B = assemble((m, K), (m, kt), 1), assemble((K, n), (kt, n), 2)
+    t_np = median_time(lambda: A @ B, args.repeat)
     ref = A @ B
-    t_np = time.perf_counter() - start
     err = float(np.abs(got - ref).max() / np.abs(ref).max())
-    flops = 2.0 * m * k * n
-    print(f"| run | s | GFLOP/s | peak DuckDB memory | peak RSS above start |\n|---|---|---|---|---|\n"
-          f"| tra_sql, staged plan ({plan.staged and 'staged' or 'one statement'}) | {elapsed:.2f} | "
-          f"{flops / elapsed / 1e9:.1f} | {peak.duck / 1e6:.0f} MB | {(peak.rss - peak.rss0) / 1e6:.0f} MB |\n"
-          f"| numpy in memory | {t_np:.2f} | {flops / t_np / 1e9:.1f} | - | - |\n")
-    print(f"ratio tra_sql / numpy time: {elapsed / t_np:.1f}x; max relative error {err:.1e}; "
-          f"statement budget {limit / 1e6:.0f} MB\n")
+    flops = 2.0 * m * K * n
+    print(f"| run | s | GFLOP/s | peak RSS | RSS above start |\n|---|---|---|---|---|\n"
+          f"| tra_sql, {plan.ops[0].bands} statements, memory_limit {limit / 1e6:.0f} MB | {elapsed:.2f} | "
+          f"{flops / elapsed / 1e9:.1f} | {peak.rss / 1e6:.0f} MB | {(peak.rss - peak.rss0) / 1e6:.0f} MB |\n"
+          f"| numpy `A @ B` in memory (inputs {(m + n) * K * 4 / 1e6:.0f} MB) | {t_np:.2f} | "
+          f"{flops / t_np / 1e9:.1f} | - | - |\n")
+    print(f"tra_sql reaches {t_np / elapsed:.2f} of numpy's GFLOP/s (predicted {plan.cost:.1f} s); "
+          f"max relative error {err:.1e}\n")
 
 
 def main() -> None:
@@ -221,8 +245,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller graphs")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--ooc-max-seconds", type=float, default=120, help="skip an ooc plan predicted slower")
-    parser.add_argument("--ooc-tile", type=int, nargs=2, default=(64, 64), help="tile of the ooc inputs")
+    parser.add_argument("--ooc-mn", type=int, default=2048, help="rows of A and columns of B in the ooc run")
+    parser.add_argument("--ooc-k-tile", type=int, default=1250, help="tile of the ooc run's contracted index")
+    parser.add_argument("--ooc-dir", default=None, help="where the ooc run's database file goes")
     parser.add_argument("--no-calibrate", action="store_true", help="use the default constants")
     parser.add_argument("--ooc-limit", type=float, default=256e6, help="DuckDB memory_limit (bytes) of the ooc run")
     args = parser.parse_args()

@@ -155,11 +155,13 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
     """The cost of ``op`` under every partition vector (row of ``Q``).
 
     Memory: a statement holds its join's build side, or, when an aggregated index is split,
-    every group's list at once (``mem_list`` bytes per list byte); over the statement budget
-    the op runs in bands of its tile grid. A worker holds one group's tiles and its output
-    tile; a group over the worker's memory is split across statements (bands over the
-    aggregated indices), which write partial results that one more einsum adds up.
-    Infeasible (``inf``): one joined row of tiles does not fit a worker."""
+    every group's list at once (``mem_list`` bytes per list byte), and what its scans load;
+    over the statement budget the op runs in bands of its tile grid. A worker holds one
+    group's tiles and its output tile; a group over the worker's memory is split across
+    statements (bands over the aggregated indices), each reading its tiles through a key
+    index (only the band's tiles are loaded) and adding the partial result of the bands
+    before it (one more output tile per worker). Infeasible (``inf``): one joined row of
+    tiles does not fit a worker."""
     f = features(op, Q)
     out_bytes = float(op.out_bytes)
     out_tile = out_bytes / f["n_out"]
@@ -167,16 +169,20 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
     build = (sum(whole) - max(whole)) if whole else 0.0
     split = f["agg_parts"] > 1
     listed = list_memory(f["row"], f["in_tile"], c)  # every joined row in a list
-    scans = sum(scan_memory(x.nbytes / np.prod(Q[:, list(x.pos)], axis=1), np.prod(Q[:, list(x.pos)], axis=1))
-                for x in op.inputs) if op.inputs else 0.0
     working_set = np.where(split, listed, 0.0) + build * c.mem_join + out_bytes
     row_mem = np.maximum(f["in_tile"] * c.mem_list, c.list_block)
-    rows_fit = np.maximum(np.floor((budget.memory - out_tile) / row_mem), 1.0)  # joined rows a worker holds
+    rows_fit = np.maximum(np.floor((budget.memory - 2 * out_tile) / row_mem), 1.0)  # joined rows a worker holds
     agg_bands = np.where(split, np.ceil(f["agg_parts"] / np.minimum(rows_fit, f["agg_parts"])), 1.0)
     piece = np.where(split, np.ceil(f["agg_parts"] / agg_bands), 1.0) * f["in_tile"] + out_tile
-    room = budget.statement * BAND_FILL - scans  # every band scans its inputs' vectors
+    piece = piece + np.where(agg_bands > 1, out_tile, 0.0)
+    scans = 0.0  # every band scans its inputs: the vectors it touches, or its own tiles by key
+    for x in op.inputs:
+        tiles = np.prod(Q[:, list(x.pos)], axis=1).astype(np.float64)
+        keyed = (agg_bands > 1) & np.isin(list(x.pos), list(op.agg)).any()
+        scans = scans + np.where(keyed, x.nbytes / agg_bands, scan_memory(x.nbytes / tiles, tiles))
+    room = budget.statement * BAND_FILL - scans
     bands = np.maximum(np.maximum(1.0, np.ceil(working_set / np.maximum(room, 1.0))), agg_bands)
-    partials = np.where(agg_bands > 1, out_bytes * agg_bands, 0.0)
+    partials = np.where(agg_bands > 1, out_bytes * (agg_bands - 1), 0.0)  # read and written once per band
     # bands cut the output grid evenly: an operand holding a share s of the output indices is
     # read bands ** (1 - s) times (once if it has them all, in every band if it has none)
     n_out_idx = max(len(op.out), 1)
@@ -189,15 +195,12 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
         "list": f["list_byte"] * c.list_byte,
         "output": f["out_byte"] * c.out_byte,
         "kernel": kernel_seconds(op, f, c, budget.workers),
-        "partial": out_bytes * (f["agg_parts"] - 1) * c.copy_byte
-        + partials * (c.out_byte + c.join_byte + c.list_byte) + np.where(agg_bands > 1, c.stmt, 0.0),
+        "partial": out_bytes * (f["agg_parts"] - 1) * c.copy_byte + partials * (c.out_byte + c.join_byte),
         "bands": (bands - 1) * c.stmt + rescans * c.scan_byte,
     }
     total = sum(parts.values())
-    # partial results are added up at least two at a time: three output tiles per worker
-    reduce_fits = (agg_bands == 1) | (3 * out_tile <= budget.memory)
     stored = scan_memory(out_tile, f["n_out"]) <= budget.statement * BAND_FILL  # its table can be read back
-    total = np.where((piece > budget.memory) | (bands > f["row"]) | ~reduce_fits | ~stored | (room <= 0),
+    total = np.where((piece > budget.memory) | (bands > f["row"]) | ~stored | (room <= 0),
                      np.inf, total)
     return OpCost(total, parts, working_set, piece, bands, agg_bands)
 

@@ -1,12 +1,14 @@
 """Running a plan. A plan that fits in memory runs as one SQL program (the rebuilt DAG). One
 that does not runs staged: one statement per node into a table (tables spill, a statement's
 lists do not), and an op whose working set is over the budget runs in bands of its tile grid,
-each band a statement with key ranges on the operands (``k BETWEEN lo AND hi``) appended to
-the result; bands across an aggregated index write partial results that a last einsum sums.
+each band a statement that reads its operands in key ranges. Bands across an aggregated index
+read their tiles by key value through an index and run in sequence, each adding the partial
+result of the bands before it into its own (out of core: a few tiles in memory at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 from dataclasses import replace
@@ -53,7 +55,9 @@ def plan(session: Session, tensor: Tensor, workers=None, memory=None, **kw) -> P
 
 
 def _sparse(session, node: Source) -> bool:
-    """Whether the stored relation lacks some of its tiles (a sparse relation)."""
+    """Whether the stored relation keeps nonzeros only (CSR tiles) or lacks some of its tiles."""
+    if node.layout != "dense":
+        return True
     rows = session.con.execute(f'SELECT count(*) FROM "{node.table}"').fetchall()[0][0]
     return rows < int(np.prod(node.grid, dtype=np.int64))
 
@@ -167,12 +171,14 @@ def _drop(session: Session, tables: list[str]) -> None:
         session.con.execute(f'DROP TABLE IF EXISTS "{t}"').fetchall()
 
 
-def _create(session: Session, table: str, rank: int) -> None:
-    cols = ", ".join([f"{key(d)} INTEGER" for d in range(rank)] + ["tile BLOB"])
-    session.con.execute(f'CREATE TABLE "{table}" ({cols})').fetchall()
+def _create(session: Session, table: str, rank: int, temp: bool = False) -> None:
+    """A tile table; its tiles uncompressed (reading one tile of a ZSTD-compressed segment,
+    which DuckDB picks for large blobs, decompresses most of the segment)."""
+    cols = ", ".join([f"{key(d)} INTEGER" for d in range(rank)] + ["tile BLOB USING COMPRESSION uncompressed"])
+    session.con.execute(f'CREATE {"TEMP " if temp else ""}TABLE "{table}" ({cols})').fetchall()
 
 
-def bands(node: Einsum, consts: Constants, budget: Budget, reduce: bool = False) -> list[int]:
+def bands(node: Einsum, consts: Constants, budget: Budget) -> list[int]:
     """Bands per index (spec.indices order): first across aggregated indices, as many as a
     group needs to fit a worker, then across output indices (largest grid first) until one
     band's working set fits the statement budget."""
@@ -180,8 +186,6 @@ def bands(node: Einsum, consts: Constants, budget: Budget, reduce: bool = False)
     q = np.array([ceil(n / node.tiles[c]) for c, n in zip(op.indices, op.sizes)], dtype=np.int64)
     cost = op_cost(op, q[None, :], consts, budget)
     need, need_agg = float(cost.bands[0]), float(cost.agg_bands[0])
-    if reduce and need_agg >= float(np.prod([q[i] for i in op.agg])):
-        need_agg = 1.0  # adding up partials one at a time would not shrink them: one pass
     b = [1] * len(q)
     for i in sorted(op.agg, key=lambda i: -q[i]):
         if need_agg <= 1:
@@ -193,7 +197,7 @@ def bands(node: Einsum, consts: Constants, budget: Budget, reduce: bool = False)
     for i in op.out:  # one output tile per statement: DuckDB's list() memory grows with the groups
         b[i] = int(q[i])
     need /= float(np.prod(b))
-    for i in [] if reduce else sorted(op.agg, key=lambda i: -q[i]):
+    for i in sorted(op.agg, key=lambda i: -q[i]):
         if need <= 1:
             break
         more = int(min(q[i] // b[i], ceil(need)))
@@ -235,8 +239,11 @@ def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Bu
     return out
 
 
-def materialize(session: Session, node: Node, table: str, consts: Constants, budget: Budget,
-                reduce: bool = False) -> None:
+#: How an accumulated partial result (x1) takes in the next band's (x0), per aggregate.
+COMBINE = {"sum": "x0 + x1", "prod": "x0 * x1", "max": "greatest(x0, x1)", "min": "least(x0, x1)"}
+
+
+def materialize(session: Session, node: Node, table: str, consts: Constants, budget: Budget) -> None:
     """Create ``table`` holding ``node``'s tiles (its inputs are stored tables)."""
     program = Program.compile(node)
     session._prepare(program)
@@ -249,42 +256,121 @@ def materialize(session: Session, node: Node, table: str, consts: Constants, bud
     if not isinstance(node, Einsum):
         session.con.execute(f'INSERT INTO "{table}" {select.sql(dialect="duckdb")}').fetchall()
         return
-    b = bands(node, consts, budget, reduce)
+    b = bands(node, consts, budget)
+    idx = node.spec.indices
+    split_agg = [i for i, c in enumerate(idx) if c not in node.spec.output and b[i] > 1]
+    for m in range(len(node.operands)):
+        _index_keys(session, node, m, [idx[i] for i in split_agg])
+    with _keyed_scans(session) if split_agg else contextlib.nullcontext():
+        _run_bands(session, node, table, b, split_agg)
+
+
+def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_agg: list[int]) -> None:
+    """``node`` into ``table`` in ``b`` bands per index: for each band of the aggregated
+    indices ``split_agg`` in turn, every output band, each adding the previous partial result.
+    A band's operands are the slices of ``node``'s it reads, keyed from 0 along the
+    aggregated indices (a ReKey), so a band of one tile per aggregated index runs as an
+    unsplit contraction: one kernel call per joined row, no list()."""
     idx = node.spec.indices
     grid = [ceil(node.sizes[c] / node.tiles[c]) for c in idx]
-    split_agg = [i for i, c in enumerate(idx) if c not in node.spec.output and b[i] > 1]
-    partial = f"{table}_p{uuid.uuid4().hex[:6]}" if split_agg else None
-    if partial:
-        _create(session, partial, len(node.shape) + 1)
-    agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
-    for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
-        for s, agg_box in enumerate(agg_boxes):
+    agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
+    acc = None
+    for s, agg_box in enumerate(agg_boxes):
+        target = table if s == len(agg_boxes) - 1 else f"{table}_a{s}"
+        if target != table:
+            _create(session, target, len(node.shape), temp=True)
+        shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
+        band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
+        program = Program.compile(band if acc is None else _accumulate(band, acc))
+        session._prepare(program)
+        for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
             ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
-            query = select.copy()
-            for i, (lo, hi) in ranges.items():
-                if (lo, hi) == (0, grid[i] - 1):
-                    continue
-                for m, sub in enumerate(node.spec.inputs):
-                    for d, c in enumerate(sub):
-                        if c == idx[i]:
-                            query = query.where(exp.Between(this=exp.column(key(d), f"x{m}"),
-                                                            low=exp.Literal.number(lo), high=exp.Literal.number(hi)))
-            sql = query.sql(dialect="duckdb")
-            if partial:
-                keys = ", ".join([f"{s} AS k0"] + [f"{key(d)} AS {key(d + 1)}" for d in range(len(node.shape))])
-                sql = f'INSERT INTO "{partial}" SELECT {keys}, tile FROM ({sql})'
-            else:
-                sql = f'INSERT INTO "{table}" {sql}'
-            session.con.execute(sql).fetchall()
-    if partial:
-        free = next(c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in node.spec.output)
-        src = Source((len(agg_boxes),) + node.shape, node.dtype, (1,) + node.tile, partial)
-        total = Einsum(node.shape, node.dtype, node.tile, EinsumSpec((free + node.spec.output,), node.spec.output),
-                       (src,), None, node.agg)
-        session.con.execute(f'DROP TABLE "{table}"').fetchall()
-        try:
-            materialize(session, total, table, consts, budget, reduce=True)
-        finally:
-            _drop(session, [partial])
+            query = _restrict(program.query(), node, {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)},
+                              shift)
+            session.con.execute(f'INSERT INTO "{target}" {query.sql(dialect="duckdb")}').fetchall()
+        if acc is not None:
+            _drop(session, [acc.table])
+        acc = Source(node.shape, node.dtype, node.tile, target)
 
+
+def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
+    """``node`` over the slices of its operands in tile ranges ``ranges`` of some of its
+    aggregated indices (operands read under the same table names, rekeyed by ``_restrict``)."""
+    def extent(c: str, n: int, t: int) -> int:
+        lo, hi = ranges[c]
+        return min((hi + 1) * t, n) - lo * t
+
+    operands = tuple(Source(tuple(extent(c, n, t) if c in ranges else n for c, n, t in zip(sub, x.shape, x.tile)),
+                            x.dtype, x.tile, x.table) for sub, x in zip(node.spec.inputs, node.operands))
+    return replace(node, operands=operands)
+
+
+@contextlib.contextmanager
+def _keyed_scans(session: Session):
+    """Statements whose scans go through a key index: without DuckDB's join filter pushdown,
+    which adds a range filter to a probe-side scan at run time and turns it back into a
+    full table scan."""
+    con = session.con
+    before = con.execute("SELECT current_setting('disabled_optimizers')").fetchall()[0][0]
+    off = ",".join(x for x in [before, "join_filter_pushdown"] if x)
+    con.execute(f"SET disabled_optimizers = '{off}'").fetchall()
+    try:
+        yield
+    finally:
+        con.execute(f"SET disabled_optimizers = '{before}'").fetchall()
+
+
+def _accumulate(node: Einsum, acc: Source) -> Einsum:
+    """``node`` combined with the partial result ``acc`` of the bands before (the kernel adds
+    it to each contracted tile: an epilogue of the contraction)."""
+    out = node.spec.output
+    return Einsum(node.shape, node.dtype, node.tile, EinsumSpec((out, out), out), (node, acc), COMBINE[node.agg], "sum")
+
+
+def _index_keys(session: Session, node: Einsum, m: int, indices: list[str]) -> None:
+    """An ART index on each key column of operand ``m`` that a band selects by value: a
+    scan through it loads only the selected tiles, where a table scan loads every tile of
+    each 2048-row vector it touches (see ``cost.scan_memory``). Views and read-only
+    databases go without."""
+    table = node.operands[m].table
+    for d, c in enumerate(node.spec.inputs[m]):
+        if c in indices:
+            try:
+                session.con.execute(f'CREATE INDEX IF NOT EXISTS "_tra_ix_{table}_{key(d)}" '
+                                    f'ON "{table}" ({key(d)})').fetchall()
+            except duckdb.Error:
+                return
+
+
+def _restrict(query: exp.Select, node: Einsum, ranges: dict[str, tuple[int, int]], shift: dict[str, int]) -> exp.Select:
+    """``query`` with each operand of ``node`` read only in the given key ranges per index:
+    a range (``BETWEEN``) on output indices; on the aggregated indices in ``shift`` one
+    equality scan per key value (``UNION ALL``), which DuckDB runs through the key's index,
+    with the key lowered by ``shift`` (the band's slice keyed from 0)."""
+    for m, (sub, operand) in enumerate(zip(node.spec.inputs, node.operands)):
+        mine = [(d, c) for d, c in enumerate(sub) if c in ranges]
+        if not mine:
+            continue
+        exact = [(d, c) for d, c in mine if c in shift]
+        columns = [exp.alias_(exp.Sub(this=exp.column(key(d)), expression=exp.Literal.number(shift[c])), key(d))
+                   if c in shift else exp.column(key(d)) for d, c in enumerate(sub)] + [exp.column("tile")]
+        scans = []
+        for value in itertools.product(*[range(ranges[c][0], ranges[c][1] + 1) for _, c in exact]):
+            scan = exp.select(*[col.copy() for col in columns]).from_(
+                exp.Table(this=exp.to_identifier(operand.table, quoted=True)))
+            for (d, _), v in zip(exact, value):
+                scan = scan.where(exp.EQ(this=exp.column(key(d)), expression=exp.Literal.number(v)))
+            for d, c in mine:
+                if c not in shift:
+                    scan = scan.where(exp.Between(this=exp.column(key(d)), low=exp.Literal.number(ranges[c][0]),
+                                                  high=exp.Literal.number(ranges[c][1])))
+            scans.append(scan)
+        union = scans[0]
+        for scan in scans[1:]:
+            union = exp.union(union, scan, distinct=False)
+        alias = f"x{m}"
+        for t in list(query.find_all(exp.Table)):
+            if t.name == operand.table and t.alias == alias:
+                t.replace(exp.Subquery(this=union.copy(), alias=exp.TableAlias(this=exp.to_identifier(alias))))
+    return query

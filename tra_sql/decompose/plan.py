@@ -266,13 +266,17 @@ def make_plan(root: Node, workers: int, memory: float, consts: Constants, *, yar
 
 
 def check_sources(problem, consts: Constants, budget: Budget) -> None:
-    """Every stored input must be readable under the memory budget (see ``cost.scan_memory``)."""
+    """Every stored input must be readable under the memory budget (see ``cost.scan_memory``):
+    a scan loads whole vectors of tiles, a read by the key of an aggregated index (bands over
+    it) only the tiles with one key value."""
     for op in problem.ops:
         for x in op.inputs:
             if x.fixed is None:
                 continue
             tile_bytes = x.node.dtype.itemsize * prod(x.node.tile)
             need = float(scan_memory(tile_bytes, prod(x.fixed)))
+            if any(i in op.agg for i in x.pos):
+                need = min(need, tile_bytes * prod(f for i, f in zip(x.pos, x.fixed) if i not in op.agg))
             if need > budget.statement * BAND_FILL:
                 raise ShapeError(
                     f"'{x.node.label}' is stored in tiles of {tile_bytes} bytes: DuckDB loads a whole vector of "
