@@ -223,14 +223,25 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
     if agg in ("max", "min") and node.dtype == np.float32 and not isinstance(J, exp.Column):
         yield from _via_elementwise(node, g, needs, ctx)
         return
-    for i, op in enumerate(node.operands):
+    # an element-wise einsum's operands with the same derivative (x0 + x1 in a bias add) share
+    # g·D at the output's shape: the broadcast ones sum it, rather than recompute it from g
+    at_output: dict[str, Node] = {}
+    for i in sorted(range(n), key=lambda m: node.spec.inputs[m] != o):
+        op, sub = node.operands[i], node.spec.inputs[i]
         if id(op) not in needs:
             continue
         D = diff(J, f"x{i}", node.join)
         if is_zero(D):
             continue
         if agg == "sum":
-            part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
+            shared = at_output.get(to_sql(D)) if not node.spec.aggregated and len(set(sub)) == len(sub) \
+                and ctx.dense(op) else None
+            if shared is not None:
+                part = graph.einsum(f"{o}->{sub}", [shared], [f"d{node.label}"])
+            else:
+                part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
+                if sub == o and part is not None:
+                    at_output[to_sql(D)] = part
         elif agg in ("max", "min"):
             hit = f"CASE WHEN {to_sql(J)} = x{n} THEN 1 ELSE 0 END"
             count = _helper(ctx, node, "ties", hit, "sum", extra=node)
