@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--ooc-mn", type=int, default=2048, help="rows of A and columns of B in the ooc run")
-    parser.add_argument("--ooc-k-tile", type=int, default=1250, help="tile of the ooc run's contracted index")
+    parser.add_argument("--ooc-k-tile", type=int, default=3125, help="tile of the ooc run's contracted index")
     parser.add_argument("--ooc-dir", default=None, help="where the ooc run's database file goes")
     parser.add_argument("--no-calibrate", action="store_true", help="use the default constants")
     parser.add_argument("--ooc-limit", type=float, default=256e6, help="DuckDB memory_limit (bytes) of the ooc run")

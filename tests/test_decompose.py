@@ -148,6 +148,23 @@ def test_tight_memory_runs_in_bands_with_partial_sums(db):
     np.testing.assert_allclose(C.store("C", plan=plan).numpy(), A @ B, rtol=1e-10)
 
 
+def test_out_of_core_bands_read_tiles_by_key_and_accumulate(tmp_path):
+    """Inputs whose scans do not fit run one contracted tile per statement: read through a
+    key index, rekeyed to an unsplit contraction, adding the previous bands' partial sum."""
+    rng = np.random.default_rng(4)
+    A, B = rng.standard_normal((64, 1024)), rng.standard_normal((1024, 48))
+    with tra_sql.connect(str(tmp_path / "ooc.duckdb"), threads=2) as db:
+        C = db.einsum("ij,jk->ik", db.from_numpy("A", A, tile=(64, 128)), db.from_numpy("B", B, tile=(128, 48)))
+        plan = db.plan(C, workers=2, memory="300KB")
+        assert plan.ops[0].parts == {"i": 1, "j": 8, "k": 1} and plan.ops[0].bands == 8
+        np.testing.assert_allclose(C.store("C", plan=plan).numpy(), A @ B, rtol=1e-10)
+        indexes = {r[0] for r in db.con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
+        assert {"_tra_ix_A_k1", "_tra_ix_B_k0"} <= indexes
+        assert not db.con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '_tra_stage%'"
+                                  ).fetchall()
+        assert db.con.execute("SELECT current_setting('disabled_optimizers')").fetchall()[0][0] == ""
+
+
 def test_planned_extended_einsum_matches_the_program_as_written(db):
     rng = np.random.default_rng(2)
     x = db.from_numpy("x", rng.standard_normal((32, 12)), tile=(8, 12))

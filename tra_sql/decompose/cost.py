@@ -169,10 +169,11 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
     build = (sum(whole) - max(whole)) if whole else 0.0
     split = f["agg_parts"] > 1
     listed = list_memory(f["row"], f["in_tile"], c)  # every joined row in a list
-    working_set = np.where(split, listed, 0.0) + build * c.mem_join + out_bytes
     row_mem = np.maximum(f["in_tile"] * c.mem_list, c.list_block)
     rows_fit = np.maximum(np.floor((budget.memory - 2 * out_tile) / row_mem), 1.0)  # joined rows a worker holds
     agg_bands = np.where(split, np.ceil(f["agg_parts"] / np.minimum(rows_fit, f["agg_parts"])), 1.0)
+    # bands of one tile per aggregated index run unsplit: nothing in a list()
+    working_set = np.where(split & (agg_bands < f["agg_parts"]), listed, 0.0) + build * c.mem_join + out_bytes
     piece = np.where(split, np.ceil(f["agg_parts"] / agg_bands), 1.0) * f["in_tile"] + out_tile
     piece = piece + np.where(agg_bands > 1, out_tile, 0.0)
     scans = 0.0  # every band scans its inputs: the vectors it touches, or its own tiles by key
@@ -184,15 +185,17 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
     bands = np.maximum(np.maximum(1.0, np.ceil(working_set / np.maximum(room, 1.0))), agg_bands)
     partials = np.where(agg_bands > 1, out_bytes * (agg_bands - 1), 0.0)  # read and written once per band
     # bands cut the output grid evenly: an operand holding a share s of the output indices is
-    # read bands ** (1 - s) times (once if it has them all, in every band if it has none)
+    # read out_bands ** (1 - s) times (once if it has them all, in every band if it has none);
+    # bands across aggregated indices read each their own slice
     n_out_idx = max(len(op.out), 1)
-    rescans = sum(x.nbytes * (bands ** (1.0 - sum(1 for i in set(x.pos) if i in op.out) / n_out_idx) - 1.0)
+    out_bands = np.ceil(bands / agg_bands)
+    rescans = sum(x.nbytes * (out_bands ** (1.0 - sum(1 for i in set(x.pos) if i in op.out) / n_out_idx) - 1.0)
                   for x in op.inputs)
     parts = {
         "statements": f["stmt"] * c.stmt,
         "rows": f["row"] * c.row + f["group"] * c.group + f["blas_call"] * c.blas_call,
         "join": f["join_byte"] * c.join_byte,
-        "list": f["list_byte"] * c.list_byte,
+        "list": np.where(agg_bands < f["agg_parts"], f["list_byte"], 0.0) * c.list_byte,
         "output": f["out_byte"] * c.out_byte,
         "kernel": kernel_seconds(op, f, c, budget.workers),
         "partial": out_bytes * (f["agg_parts"] - 1) * c.copy_byte + partials * (c.out_byte + c.join_byte),

@@ -279,9 +279,10 @@ def check_sources(problem, consts: Constants, budget: Budget) -> None:
                 need = min(need, tile_bytes * prod(f for i, f in zip(x.pos, x.fixed) if i not in op.agg))
             if need > budget.statement * BAND_FILL:
                 raise ShapeError(
-                    f"'{x.node.label}' is stored in tiles of {tile_bytes} bytes: DuckDB loads a whole vector of "
-                    f"them ({min(prod(x.fixed), VECTOR)} tiles, {need:.3g} bytes) to read any, over half the "
-                    f"memory budget of {budget.statement:.3g} bytes; store it in smaller tiles")
+                    f"'{x.node.label}' is stored in tiles of {tile_bytes} bytes: reading any loads {need:.3g} "
+                    f"bytes (a scan loads a whole vector of up to {VECTOR} tiles, a read by key the tiles with "
+                    f"that key), over half the memory budget of {budget.statement:.3g} bytes; store it in "
+                    f"smaller tiles")
 
 
 def published(problem, model: Model) -> search.Yardstick:
