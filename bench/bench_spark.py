@@ -1,8 +1,8 @@
-"""tra_sql on Spark against Spark MLlib's BlockMatrix.multiply and against tra_sql on DuckDB:
-one n×n matmul (float32, tiles = blocks of b×b), all three in the same run.
+"""tra_sql on Spark against Spark MLlib's BlockMatrix and against tra_sql on DuckDB: one n×n
+matmul (float32, tiles = blocks of b×b) and one epoch of a 2-layer GCN, all in the same run.
 
-    python bench/bench_spark.py                       # 8192², blocks of 2048
-    python bench/bench_spark.py --size 4096 --block 1024 --repeat 1
+    python bench/bench_spark.py                       # 8192², blocks of 2048; GCN on 8192 nodes
+    python bench/bench_spark.py --size 4096 --block 1024 --repeat 1 --only matmul
 
 Spark runs on a standalone cluster started here (a master and two 1-core workers on
 127.0.0.1, ``tra_sql.backends.standalone``); DuckDB runs in this process with 2 threads.
@@ -13,6 +13,10 @@ What each time covers (inputs already stored, warm-up run untimed):
   and "compute only": the same SQL run into Spark's ``noop`` sink;
 - MLlib: ``A.multiply(B)`` and ``count()`` of its blocks (compute only, nothing kept).
   MLlib's blocks are float64 DenseMatrix (it has no float32) multiplied by its JVM BLAS.
+
+GCN: the same program (``db.relation`` over the adjacency table, copied from DuckDB to Spark
+with ``transfer.copy``; cross-entropy; Adam) on both engines, timed per epoch; MLlib has no
+autodiff, so it runs only the epoch's matrix products (see ``mllib_gcn``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
+from tra_sql.backends import transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 
 SEED = 11
@@ -60,19 +65,34 @@ def bench_duckdb(a, b, block_size, reference, repeat) -> float:
     return seconds
 
 
-def mllib_operand(sc, seed: int, n: int, b: int):
-    """Operand ``seed`` as an MLlib BlockMatrix of float64 blocks made on the executors,
-    persisted (memory and disk) and materialized."""
-    from pyspark.mllib.linalg import Matrices
-    from pyspark.mllib.linalg.distributed import BlockMatrix
+def mllib_operand(db, table: str, n: int, b: int):
+    """Tensor ``table`` as an MLlib BlockMatrix of b×b float64 blocks, persisted (memory and
+    disk) and materialized. The tiles are decoded into rows by an Arrow UDF and reassembled in
+    SQL on the executors (MLlib's Python constructors would pickle every number)."""
+    import pyarrow as pa
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.mllib.linalg.distributed import IndexedRowMatrix
+    from pyspark.mllib.util import MLUtils
+    from pyspark.sql.functions import arrow_udf
 
-    keys = [(i, j) for i in range(n // b) for j in range(n // b)]
-    blocks = sc.parallelize(keys, len(keys)).map(
-        lambda ij: (ij, Matrices.dense(b, b, block(seed, ij[0], ij[1], b).T.astype(np.float64).ravel())))
-    matrix = BlockMatrix(blocks, b, b, n, n)
+    def tile_rows(tiles):
+        data = np.concatenate([np.frombuffer(t, np.float32) for t in tiles.to_pylist()]).astype(np.float64)
+        rows = pa.ListArray.from_arrays(pa.array(np.arange(len(data) // b + 1, dtype=np.int32) * b), pa.array(data))
+        return pa.ListArray.from_arrays(pa.array(np.arange(len(tiles) + 1, dtype=np.int32) * b), rows)
+
+    db.spark.udf.register("bench_tile_rows", arrow_udf(tile_rows, "array<array<double>>"))
+    db.spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")  # one tile of rows (b² doubles) at a time
+    frame = db.spark.sql(f"""
+        SELECT CAST(k0 * {b} + r AS BIGINT) AS index,
+               flatten(transform(array_sort(collect_list(struct(k1, piece))), x -> x.piece)) AS values
+        FROM (SELECT k0, k1, bench_tile_rows(tile) AS rows FROM {table}) LATERAL VIEW posexplode(rows) p AS r, piece
+        GROUP BY k0, r""")
+    frame = MLUtils.convertVectorColumnsFromML(frame.select("index", array_to_vector("values").alias("vector")))
+    matrix = IndexedRowMatrix(frame, n, n).toBlockMatrix(b, b)
     java = matrix._java_matrix_wrapper._java_model
-    java.persist(sc._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
+    java.persist(db.spark.sparkContext._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
     java.blocks().count()
+    db.spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     return matrix
 
 
@@ -97,8 +117,9 @@ def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[f
         check(db.tensor("C").numpy(plan=False), reference, "tra_sql on Spark")
         compute = median_time(lambda: db.frame(c.program()).write.format("noop").mode("overwrite").save(), repeat,
                               warmup=0)
+        print(f"tra_sql Spark: store {store:.2f} s, compute only {compute:.2f} s", flush=True)
         sc, n = db.spark.sparkContext, a.shape[0]
-        ma, mb = mllib_operand(sc, SEED, n, block_size), mllib_operand(sc, SEED + 1, n, block_size)
+        ma, mb = mllib_operand(db, "A", n, block_size), mllib_operand(db, "B", n, block_size)
         product = ma.multiply(mb)  # the warm-up run, checked
         java = product._java_matrix_wrapper._java_model
         java.persist(sc._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
@@ -112,20 +133,155 @@ def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[f
         db.close()
 
 
+# -- one GCN epoch -------------------------------------------------------------------------------
+def gcn_data(n: int, e: int, f: int, c: int):
+    """(dst, src, w) of the normalized adjacency with self loops, features, and labels."""
+    rng = np.random.default_rng(SEED)
+    links = np.unique(np.concatenate([rng.integers(0, n, (e, 2)), np.arange(n)[:, None].repeat(2, 1)]), axis=0)
+    dst, src = links[:, 0], links[:, 1]
+    degree = np.bincount(dst, minlength=n)
+    return dst, src, 1 / np.sqrt(degree[dst] * degree[src]), rng.standard_normal((n, f)), \
+        rng.integers(0, c, n)
+
+
+def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> tuple[float, list[float], np.ndarray]:
+    """Two epochs of a 2-layer GCN with Adam (tables ``adj`` and ``labels`` in ``db``; the
+    adjacency in dense blocks of ``block``²): the second epoch's seconds, both losses, and W1."""
+    from tra_sql.optim import Adam
+    from tra_sql.train import cross_entropy
+
+    a = db.relation("adj", ("dst", "src"), "w", (n, n), name="gA", tile=(block, block), replace=True)
+    y = db.relation("labels", ("node", "label"), None, (n, c), name="gY", tile=(block, c), replace=True)
+    xt = db.from_numpy("gX", x, tile=(block, f), replace=True)
+    rng = np.random.default_rng(1)
+    p = {"W1": (rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h))), "b1": np.zeros(h),
+         "W2": (rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c))), "b2": np.zeros(c)}
+    p = {k: db.from_numpy(f"g{k}", v, replace=True) for k, v in p.items()}
+    hid = db.einsum("mh,h->mh", db.einsum("mn,nh->mh", a, db.einsum("nf,fh->nh", xt, p["W1"])), p["b1"],
+                    join="greatest(x0 + x1, 0)")
+    z = db.einsum("mc,c->mc", db.einsum("mn,nc->mc", a, db.einsum("nh,hc->nc", hid, p["W2"])), p["b2"],
+                  join="x0 + x1")
+    loss = cross_entropy(db, z, y, len(range(0, n, 10)))
+    run = db.train(loss, list(p.values()), Adam(lr=0.01), 2, run="gcn", progress=False)
+    return run.seconds[1], run.losses, db.tensor("gW1").numpy()
+
+
+def gcn_tables(duck, data) -> None:
+    import pyarrow as pa
+
+    dst, src, w, _, labels = data
+    duck.con.register("_adj", pa.table({"dst": dst, "src": src, "w": w}))
+    duck.con.execute("CREATE OR REPLACE TABLE adj AS FROM _adj").fetchall()
+    duck.con.register("_labels", pa.table({"node": np.arange(len(labels)), "label": labels}))
+    duck.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
+
+
+def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, repeat: int) -> float:
+    """The matrix products of one GCN epoch in MLlib (forward A·(X·W1), A·(H·W2); backward
+    Aᵀ·G, Hᵀ·(AᵀG), (AᵀG)·W2ᵀ, Aᵀ·G', Xᵀ·(AᵀG')), with the same block size and A in
+    sparse blocks; the element-wise steps between them are left out (a lower bound on an
+    MLlib epoch). Checks A·(X·W1) against numpy."""
+    from pyspark.mllib.linalg import Matrices
+    from pyspark.mllib.linalg.distributed import BlockMatrix, CoordinateMatrix, MatrixEntry
+
+    dst, src, w, x, _ = data
+    level = sc._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK()
+
+    def kept(matrix):
+        matrix._java_matrix_wrapper._java_model.persist(level)
+        matrix._java_matrix_wrapper._java_model.blocks().count()
+        return matrix
+
+    def dense(array, rows, cols):
+        parts = [((i // rows, j // cols), Matrices.dense(*array[i:i + rows, j:j + cols].shape,
+                                                         array[i:i + rows, j:j + cols].ravel(order="F")))
+                 for i in range(0, array.shape[0], rows) for j in range(0, array.shape[1], cols)]
+        return kept(BlockMatrix(sc.parallelize(parts, len(parts)), rows, cols, *array.shape))
+
+    rng = np.random.default_rng(2)
+    entries = sc.parallelize([MatrixEntry(int(i), int(j), float(v)) for i, j, v in zip(dst, src, w)], 8)
+    a = kept(CoordinateMatrix(entries, n, n).toBlockMatrix(b, b))
+    at = kept(a.transpose())
+    xm, w1, w2 = dense(x, b, f), dense(rng.standard_normal((f, h)), f, h), \
+        dense(rng.standard_normal((h, c)), h, c)
+    w2t = kept(w2.transpose())
+    xt = kept(xm.transpose())
+    check(kept(a.multiply(xm.multiply(w1))).toLocalMatrix().toArray(),
+          _dense_adjacency(dst, src, w, n) @ (x @ w1.toLocalMatrix().toArray()), "MLlib GCN")
+
+    def epoch():
+        hid = kept(a.multiply(kept(xm.multiply(w1))))
+        z = kept(a.multiply(kept(hid.multiply(w2))))
+        g2 = kept(at.multiply(z))
+        kept(hid.transpose().multiply(g2))
+        g1 = kept(at.multiply(kept(g2.multiply(w2t))))
+        kept(xt.multiply(g1))
+
+    return median_time(epoch, repeat)
+
+
+def _dense_adjacency(dst, src, w, n: int) -> np.ndarray:
+    out = np.zeros((n, n))
+    out[dst, src] = w
+    return out
+
+
+def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory) -> dict[str, float]:
+    data = gcn_data(n, e, f, c)
+    with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
+        gcn_tables(duck, data)
+        t_duck, losses, w1 = gcn_epoch(duck, n, f, h, c, block, data[3])
+        db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
+                             driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
+        try:
+            db.wait_for_executors(2)
+            for table in ("adj", "labels"):
+                transfer.copy(duck, db, table, replace=True)
+            t_spark, spark_losses, spark_w1 = gcn_epoch(db, n, f, h, c, block, data[3])
+            np.testing.assert_allclose(spark_losses, losses, rtol=1e-4)
+            check(spark_w1, w1, "tra_sql GCN on Spark")
+            t_mllib = mllib_gcn(db.spark.sparkContext, data, n, f, h, c, block, repeat)
+        finally:
+            db.close()
+    return {"duckdb": t_duck, "spark": t_spark, "mllib": t_mllib}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--block", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=2, help="timed runs after one warm-up (median)")
     parser.add_argument("--executor-memory", default="2g", help="per executor (and worker)")
+    parser.add_argument("--only", nargs="*", default=["matmul", "gcn"], choices=["matmul", "gcn"])
+    parser.add_argument("--gcn", type=int, nargs=5, default=(8192, 81920, 128, 16, 8),
+                        metavar=("NODES", "EDGES", "FEATURES", "HIDDEN", "CLASSES"))
     args = parser.parse_args()
+    print(f"machine: {machine()}", flush=True)
+    if "matmul" in args.only:
+        bench_matmul(args)
+    if "gcn" in args.only:
+        n, e, f, h, c = args.gcn
+        print(f"\nGCN epoch: {n} nodes, {e} random edges + self loops, {f} features, hidden {h}, {c} classes, "
+              f"float64, adjacency in dense {args.block}² tiles (MLlib: sparse blocks); tra_sql: the second "
+              f"epoch's time (forward, backward, Adam step); MLlib: median of {args.repeat} after a warm-up",
+              flush=True)
+        with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
+            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory)
+        print(f"\n| run | s |\n|---|---|\n| tra_sql on DuckDB (2 threads), one epoch | {t['duckdb']:.2f} |\n"
+              f"| tra_sql on Spark, one epoch | {t['spark']:.2f} |\n"
+              f"| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} |")
+        print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; "
+              f"tra_sql Spark / tra_sql DuckDB = {t['spark'] / t['duckdb']:.2f}")
+
+
+def bench_matmul(args) -> None:
     n, bs = args.size, args.block
     flops = 2 * n**3
     a, b = operand(SEED, n, bs), operand(SEED + 1, n, bs)
     start = time.perf_counter()
     reference = a @ b
     t_numpy = time.perf_counter() - start
-    print(f"machine: {machine()}\n{n}×{n} float32 matmul, blocks {bs}×{bs}, median of {args.repeat} "
+    print(f"{n}×{n} float32 matmul, blocks {bs}×{bs}, median of {args.repeat} "
           f"after a warm-up; numpy a @ b once: {t_numpy:.2f} s\n", flush=True)
     t_duck = bench_duckdb(a, b, bs, reference, args.repeat)
     print(f"tra_sql DuckDB: {t_duck:.2f} s", flush=True)
@@ -138,7 +294,7 @@ def main() -> None:
     for what, seconds in rows:
         print(f"| {what} | {seconds:.2f} | {flops / seconds / 1e9:.1f} |")
     print(f"\nratios: tra_sql Spark compute / MLlib = {t_compute / t_mllib:.2f}; "
-          f"tra_sql Spark store / tra_sql DuckDB store = {t_store / t_duck:.2f}")
+          f"tra_sql Spark store / tra_sql DuckDB store = {t_store / t_duck:.2f}", flush=True)
 
 
 if __name__ == "__main__":
