@@ -108,6 +108,21 @@ def test_gradient_through_a_csr_product(db, rng):
     np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-9)
 
 
+def test_gradient_of_a_sampled_product_exists_at_the_entries(db, rng):
+    """A CSR operand the join does not read still restricts the gradient to its entries."""
+    edge_table(db, rng, (8, 7), 20)
+    M = db.relation("edges", ("dst", "src"), None, (8, 7), name="M", layout="csr")
+    mask = M.numpy()
+    p, q = rng.standard_normal((8, 3)), rng.standard_normal((7, 3))
+    P, Q = db.from_numpy("P", p), db.from_numpy("Q", q)
+    dot = db.einsum("ui,uk,ik->ui", M, P, Q, join="x1 * x2")
+    loss = db.einsum("ui->", dot)
+    dP, dQ = db.grad(loss, [P, Q])
+    np.testing.assert_allclose(loss.numpy(), (mask * (p @ q.T)).sum())
+    np.testing.assert_allclose(dP.numpy(), mask @ q)
+    np.testing.assert_allclose(dQ.numpy(), mask.T @ p)
+
+
 def test_csr_errors(db, rng):
     edge_table(db, rng, (10, 10), 30)
     with pytest.raises(tra_sql.ShapeError, match="two key columns"):

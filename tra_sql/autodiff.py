@@ -60,6 +60,8 @@ class Context:
         return self.memo[id(node)]
 
     def _dense(self, node: Node) -> bool:
+        if node.layout != "dense":  # CSR tiles: absent elements, whatever tiles are present
+            return False
         if isinstance(node, Fill):
             return True
         if isinstance(node, Source):
