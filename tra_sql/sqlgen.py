@@ -298,7 +298,7 @@ class Program:
         program = cls(root)
         order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
         consumers = Counter(id(child) for node in order for child in node.inputs)
-        consumers.update(id(top) for top in others)  # a result must stay a step of its own
+        consumers.update(id(top) for top in (root, *others))  # a result stays a step of its own
         fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None}
         absorbed = {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
         for node in order:
@@ -368,8 +368,8 @@ class Program:
         for target, node in results.items():
             keys = [exp.column(key(d)) if d < len(node.shape) else exp.cast(exp.Null(), "INTEGER")
                     for d in range(rank)]
-            parts.append(exp.select(exp.alias_(exp.Literal.string(target), "target"), *_select_keys(keys, exp.column(
-                "tile"))).from_(exp.to_table(self.refs[id(node)], quoted=True)))
+            columns = [exp.alias_(exp.Literal.string(target), "target"), *_select_keys(keys, exp.column("tile"))]
+            parts.append(exp.select(*columns).from_(exp.to_table(self.refs[id(node)], quoted=True)))
         select = parts[0]
         for part in parts[1:]:
             select = exp.union(select, part, distinct=False)

@@ -3,16 +3,16 @@
 A tensor with layout ``csr`` is a 2-D tensor relation whose tile bytes are, back to back:
 ``indptr`` (int64, rows + 1 entries), ``indices`` (int32 column numbers, nnz entries, padded to a
 multiple of 8 bytes) and ``data`` (the tensor's dtype, nnz entries); the tile's shape comes from
-the catalog's geometry like any tile's. Elements no entry names are zeros.
+the catalog's geometry like any tile's.
 
 Elements that are not entries take no part in an einsum, as absent rows of a relation do
-not: a sum-of-products einsum of a CSR tile with one dense tile that keeps one of its indices
-and contracts the other (``vu,uf->vf`` or ``vu,vf->uf``, the sparse-dense products of message
-passing and their gradients) runs as a dedicated Numba kernel over the entries; any other
-einsum as a loop kernel over the entries (``codegen.kernel_source`` with ``sparse``). An
-einsum whose output is subscripted like its CSR operands (``ui,uk,ik->ui``: a sampled product;
-element-wise maps) has a CSR result with their entries; CSR operands of one einsum must share
-their entries.
+not (``numpy()`` shows them as zeros): a sum-of-products einsum of a CSR tile with one dense
+tile that keeps one of its indices and contracts the other (``vu,uf->vf`` or ``vu,vf->uf``,
+the sparse-dense products of message passing and their gradients) runs as a dedicated Numba
+kernel over the entries; any other einsum as a loop kernel over the entries
+(``codegen.kernel_source`` with ``sparse``). An einsum whose output is subscripted like its
+CSR operands (``ui,uk,ik->ui``: a sampled product; element-wise maps) has a CSR result with
+their entries; CSR operands of one einsum must share their entries.
 """
 
 from __future__ import annotations
