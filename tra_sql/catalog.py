@@ -122,16 +122,20 @@ def object_kind(con: duckdb.DuckDBPyConnection, name: str) -> str | None:
 
 
 def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
-    """The tile relation of ``array``: int32 keys ``k0..`` and a BLOB ``tile`` per tile."""
+    """The tile relation of ``array``: int32 keys ``k0..`` and a BLOB ``tile`` per tile. Tiles
+    of whole rows (trailing dimensions untiled) of a C-ordered array are views of its bytes."""
     info = TensorInfo("", array.dtype, array.shape, tile)
     keys = list(itertools.product(*(range(g) for g in info.grid)))
     sizes = [prod(info.tile_shape(k)) * array.dtype.itemsize for k in keys]
     offsets = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    data = np.empty(int(offsets[-1]), dtype=np.uint8)
-    for i, key in enumerate(keys):
-        region = tuple(slice(k * t, k * t + s) for k, t, s in zip(key, tile, info.tile_shape(key)))
-        data[offsets[i] : offsets[i + 1]].view(array.dtype).reshape(info.tile_shape(key))[...] = array[region]
+    if array.flags.c_contiguous and tuple(tile[1:]) == array.shape[1:]:
+        data = array.reshape(-1).view(np.uint8)
+    else:
+        data = np.empty(int(offsets[-1]), dtype=np.uint8)
+        for i, key in enumerate(keys):
+            region = tuple(slice(k * t, k * t + s) for k, t, s in zip(key, tile, info.tile_shape(key)))
+            data[offsets[i] : offsets[i + 1]].view(array.dtype).reshape(info.tile_shape(key))[...] = array[region]
     columns = {f"k{d}": pa.array([k[d] for k in keys], pa.int32()) for d in range(array.ndim)}
     columns["tile"] = pa.Array.from_buffers(
         pa.large_binary(), len(keys), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
