@@ -4,6 +4,7 @@
     python bench/bench_plan.py --section plans   # chain, MLP, transformer block: predicted vs measured
     python bench/bench_plan.py --section llama   # planning time of a LLaMA-7B-shaped decoder
     python bench/bench_plan.py --section ooc     # a matmul whose inputs are 4x DuckDB's memory_limit (1 GB)
+    python bench/bench_plan.py --section ooc --ooc-mn 4096 --ooc-limit 512e6   # the same, 2 GB of inputs
 
 Each executed plan runs ``Tensor.numpy(plan=...)`` (best of ``--repeat`` after a warm-up);
 the constants come from ``db.calibrate()`` in the same run. Plans that split nothing more
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from math import ceil
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +187,7 @@ def store_streamed(db, name: str, shape: tuple[int, ...], tile: tuple[int, ...],
 
 
 def assemble(shape: tuple[int, ...], tile: tuple[int, ...], seed: int) -> np.ndarray:
+    """The whole out-of-core input, in memory (for numpy)."""
     out = np.empty(shape, dtype=np.float32)
     info = TensorInfo("", out.dtype, shape, tile)
     for key in itertools.product(*(range(g) for g in info.grid)):
@@ -199,8 +202,8 @@ def section_ooc(args, consts) -> None:
     ``store(plan=...)``; against numpy's in-memory ``A @ B`` (same shape, same data)."""
     limit = args.ooc_limit
     m = n = args.ooc_mn
-    K = int(4 * limit / (4 * (m + n)))
     kt = args.ooc_k_tile
+    K = kt * ceil(4 * limit / (4 * (m + n) * kt))  # inputs 4x the limit, in whole tiles
     print(f"## Out of core: C = A @ B, A {m}x{K}, B {K}x{n} float32 (inputs {(m + n) * K * 4 / 1e6:.0f} MB, "
           f"tiles {m}x{kt} and {kt}x{n}) with DuckDB memory_limit = {limit / 1e6:.0f} MB\n")
     with tempfile.TemporaryDirectory(dir=args.ooc_dir) as tmp:
