@@ -142,6 +142,19 @@ def test_csr_errors(db, rng):
         db.tensor("broken").numpy()
 
 
+def test_csr_tensors_in_sql(db, rng):
+    dense = edge_table(db, rng, (6, 5), 12)
+    db.relation("edges", ("dst", "src"), "w", (6, 5), name="A", layout="csr")
+    db.from_numpy("X", np.ones((5, 2)))
+    db.sql("CREATE TENSOR S AS SELECT * FROM A")
+    assert db.tensor("S").node.layout == "csr"
+    np.testing.assert_allclose(db.tensor("S").numpy(), dense)
+    db.sql("CREATE TENSOR Y AS SELECT * FROM einsum('vu,uf->vf', S, X)")
+    np.testing.assert_allclose(db.tensor("Y").numpy(), dense @ np.ones((5, 2)))
+    with pytest.raises(tra_sql.SQLError, match="dense tiles"):
+        db.sql("SELECT * FROM tra_elements(S)")
+
+
 def test_catalog_without_layout_column_is_upgraded(tmp_path):
     path = str(tmp_path / "old.duckdb")
     import duckdb

@@ -454,6 +454,9 @@ class Rewriter:
         if len(args) != 1:
             raise SQLError("tra_elements() takes one tensor: tra_elements(A)")
         tensor = self.tensor(args[0])
+        if tensor.node.layout != "dense":
+            raise SQLError(f"tra_elements() needs dense tiles; {tensor.node.label} is {tensor.node.layout} "
+                           f"(its entries are the rows of the table it was made from)")
         rank, dtype = tensor.ndim, tensor.dtype
         keys = [exp.column(f"k{d}") for d in range(rank)]
         extents = [exp.column(f"_e{d}") for d in range(rank)]
@@ -539,7 +542,7 @@ def _create(session: Session, statement: Statement, run: bool) -> str | None:
     name = catalog.check_name(tokens[i].text)
     rewriter = Rewriter(session)
     tensor, query = rewriter.source(rewriter.parse(statement.rest(i + 1)))
-    info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+    info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
     sql = query.sql(dialect="duckdb", pretty=not run)
     if not run:
         return (f"-- tensor {name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}\n"
