@@ -208,7 +208,9 @@ def insert_row(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> None:
 def create_tensor_table(
     con: duckdb.DuckDBPyConnection, info: TensorInfo, select_sql: str, replace: bool = False
 ) -> None:
-    """Create table ``info.name`` from ``select_sql`` and its catalog row, atomically."""
+    """Create table ``info.name`` from ``select_sql`` and its catalog row, atomically. Tiles
+    are stored uncompressed: a checkpoint would otherwise compress them (ZSTD), and reading one
+    tile would decompress much of its segment."""
     check_name(info.name)
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
@@ -219,7 +221,9 @@ def create_tensor_table(
                                         f"case-insensitive, as in SQL); pass replace=True to overwrite it")
             con.execute(f'DROP {kind} "{info.name}"').fetchall()
         con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [info.name]).fetchall()
-        con.execute(f'CREATE TABLE "{info.name}" AS {select_sql}').fetchall()
+        keys = "".join(f"k{d} INTEGER, " for d in range(len(info.shape)))
+        con.execute(f'CREATE TABLE "{info.name}" ({keys}tile BLOB USING COMPRESSION uncompressed)').fetchall()
+        con.execute(f'INSERT INTO "{info.name}" {select_sql}').fetchall()
         insert_row(con, info)
         con.execute("COMMIT").fetchall()
     except BaseException:

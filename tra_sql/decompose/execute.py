@@ -111,7 +111,7 @@ def arrow(tensor: Tensor, plan_: Plan | None) -> pa.Table:
 
 def numpy(tensor: Tensor, plan_: Plan) -> np.ndarray:
     root = plan_.apply()
-    info = TensorInfo(tensor.name or root.label, root.dtype, root.shape, root.tile)
+    info = TensorInfo(tensor.name or root.label, root.dtype, root.shape, root.tile, root.layout)
     return catalog.assemble(info, arrow(tensor, plan_))
 
 
@@ -126,7 +126,7 @@ def store(tensor: Tensor, name: str, replace_: bool, plan_: Plan | None) -> Tens
         return session.store(Tensor(session, root), name, replace=replace_)
     table = run_staged(session, root, plan_)
     try:
-        info = TensorInfo(name, root.dtype, root.shape, root.tile)
+        info = TensorInfo(name, root.dtype, root.shape, root.tile, root.layout)
         catalog.create_tensor_table(session.con, info, f'SELECT * FROM "{table}"', replace_)
     finally:
         if not isinstance(root, Source):
@@ -150,7 +150,7 @@ def run_staged(session: Session, root: Node, plan_: Plan) -> str:
             if isinstance(node, Source):
                 tables[id(node)] = node.table
                 continue
-            inputs = tuple(Source(c.shape, c.dtype, c.tile, tables[id(c)]) for c in node.inputs)
+            inputs = tuple(Source(c.shape, c.dtype, c.tile, tables[id(c)], c.layout) for c in node.inputs)
             local = (replace(node, operands=inputs) if isinstance(node, Einsum)
                      else replace(node, sources=inputs) if isinstance(node, Place) else node)
             table = f"_tra_stage_{tag}_{k}"
