@@ -250,18 +250,15 @@ class SparkTraSession(Session):
             raise spark_udfs.translate(err, f"computing {program.root.label}") from None
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
-        self.write_table(tensor.program(), name, TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile), replace)
-        return self.tensor(name)
-
-    def write_table(self, program: Program, name: str, info: TensorInfo | None = None, replace: bool = True) -> None:
-        """Compute ``program`` into warehouse table ``name`` (with catalog row ``info``, if given)."""
-        frame = self.frame(program)
+        frame = self.frame(tensor.program())
+        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
         try:
             self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
         except TraError:
             raise
         except Exception as err:
             raise spark_udfs.translate(err, f"storing '{name}'") from None
+        return self.tensor(name)
 
     def train(self, loss, params, optimizer, epochs: int, **options):
         """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see

@@ -67,7 +67,21 @@ def ungroup(call: exp.Anonymous, limit: int) -> exp.Expression:
 
 def spark_query(program: Program, limit: int = GROUP_BYTES) -> tuple[str, set[str]]:
     """The Spark SQL text of ``program`` and the tile UDFs it calls."""
-    query = program.query(materialized=False).transform(
-        lambda node: ungroup(node, limit) if isinstance(node, exp.Anonymous) else node)
+    return _render(program.query(materialized=False), limit)
+
+
+def spark_union_query(program: Program, results: dict, limit: int = GROUP_BYTES) -> tuple[str, set[str]]:
+    """``Program.union_query(results)`` for Spark (plain CTEs, INT keys): the rows
+    ``target, k0, ..., tile`` of several results in one query, and the UDFs it calls."""
+    query = program.union_query(results)
+    for cte in query.find_all(exp.CTE):
+        cte.set("materialized", None)
+    rank = max((len(node.shape) for node in results.values()), default=0)
+    keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
+    return _render(exp.select("target", *keys, "tile").from_(query.subquery("u")), limit)
+
+
+def _render(query: exp.Expression, limit: int) -> tuple[str, set[str]]:
+    query = query.transform(lambda node: ungroup(node, limit) if isinstance(node, exp.Anonymous) else node)
     udfs = {call.name.lower() for call in query.find_all(exp.Anonymous) if call.name.lower().startswith("tra_")}
     return query.sql(dialect=DIALECT), udfs

@@ -1,17 +1,20 @@
 """Training on Spark: ``tra_sql.train``'s steps with the warehouse for tables.
 
-A step runs the same ``train.Plan`` as on DuckDB (loss, gradients, the optimizer's new weights
-and state, shared intermediates once), each of its programs written as a Parquet table of the
-warehouse (``_tra_<run>_...``, without catalog rows). Committing a step publishes the staged
-weights and state into the parameter tables (a directory rename each), then rewrites the run
-row (table ``tra_runs``) and, at the end of an epoch, the log (``tra_run_log``): ``train`` with
-the same ``run`` resumes from the last committed step. Unlike DuckDB's transaction, a crash
-between the renames of one commit leaves that step half applied.
+A step computes the roots of the same ``train.Plan`` as on DuckDB (the loss, the optimizer's
+new weights and state) in one Spark job: one query of every root's rows
+(``spark_sql.spark_union_query``; Spark reuses the shuffles that roots share) written with
+``partitionBy("target")`` to ``<warehouse>/_staging/_tra_<run>_b<batch>/target=<root>/``.
+Committing the step publishes those directories as the parameter and state tables (a rename
+each), then rewrites the run row (table ``tra_runs``) and, at the end of an epoch, the log
+(``tra_run_log``): ``train`` with the same ``run`` resumes from the last committed step.
+Unlike DuckDB's transaction, a crash between the renames of one commit leaves that step half
+applied.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,9 +24,12 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from tra_sql import train as core
+from tra_sql.backends import spark_udfs
+from tra_sql.backends.spark_sql import spark_union_query
 from tra_sql.backends.warehouse import write_parquet
 from tra_sql.errors import TraError
 from tra_sql.optim import Optimizer
+from tra_sql.sqlgen import Program
 
 RUN_SCHEMA = pa.schema([("run", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("batch", pa.int64()),
                         ("loss_sum", pa.float64()), ("params", pa.string()), ("optimizer", pa.string())])
@@ -49,7 +55,14 @@ def history(db, run: str) -> core.History:
 
 
 class SparkTrainer(core.Trainer):
-    """``core.Trainer`` whose staging tables, scalars and commits live in the warehouse."""
+    """``core.Trainer`` whose staged results, scalars and commits live in the warehouse."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.queries: dict[int, tuple[str, set[str]]] = {}
+
+    def staging(self, batch: int):
+        return self.db.warehouse.root / "_staging" / f"_tra_{self.run}_b{batch}"
 
     def views(self) -> frozenset[str]:
         return frozenset()  # relations on Spark are tables
@@ -60,19 +73,29 @@ class SparkTrainer(core.Trainer):
 
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
+        if batch not in self.queries:
+            self.queries[batch] = spark_union_query(Program.compile(*p.nodes.values()), p.nodes, self.db.group_bytes)
+        text, udfs = self.queries[batch]
         self.set_scalars(step)
-        self.db.ensure_udfs(p.udfs)
-        for table, program in p.programs.items():
-            self.db.write_table(program, table)
-        tiles = pq.read_table(self.db.warehouse.path(p.tables["loss"])).column("tile").to_pylist()
+        self.db.ensure_udfs(udfs)
+        staging = self.staging(batch)
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self.db.spark.sql(text).write.partitionBy("target").parquet(str(staging))
+        except Exception as err:
+            raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from None
+        loss = staging / "target=loss"
+        tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
 
     def commit(self, batch: int, sets: dict, log: list | None = None) -> None:
         """Publish batch ``batch``'s staged weights and state, then the run row ``sets`` and
         the log row ``log``."""
-        for target, table in self.plans[batch].tables.items():
+        staging = self.staging(batch)
+        for target in self.plans[batch].tables:
             if target != "loss":
-                self.db.warehouse.move(table, target)
+                self.db.warehouse.publish(staging / f"target={target}", target)
+        shutil.rmtree(staging, ignore_errors=True)
         runs = [r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] != self.run]
         write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [sets | {"run": self.run}])
         if log is not None:

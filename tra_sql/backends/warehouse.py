@@ -132,18 +132,14 @@ class Warehouse:
             self.attach(name)
         self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
 
-    def move(self, source: str, target: str) -> None:
-        """Table ``source``'s files become table ``target``'s, which keeps its catalog row (if
-        it has one); ``source`` is gone afterwards."""
-        info = self.lookup(target) if self._catalog_file(target).exists() else None
-        staging = self.root / "_staging" / uuid.uuid4().hex
-        staging.parent.mkdir(exist_ok=True)
-        self.spark.sql(f"DROP TABLE IF EXISTS {quote(source)}")
-        self.path(source).rename(staging)
-        try:
-            self._publish(target, staging, info)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    def publish(self, directory: Path, name: str) -> None:
+        """The Parquet files in ``directory`` (moved, or none if it does not exist) become
+        table ``name``'s, which keeps its catalog row (if it has one)."""
+        info = self.lookup(name) if self._catalog_file(name).exists() else None
+        if not directory.exists():
+            keys = [(f"k{d}", pa.int32()) for d in range(len(info.shape) if info else 0)]
+            write_parquet(pa.schema(keys + [("tile", pa.large_binary())]).empty_table(), directory)
+        self._publish(name, directory, info)
 
     def drop(self, name: str) -> None:
         """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
