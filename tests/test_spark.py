@@ -250,6 +250,8 @@ def test_relation_and_sparse_gradient(sdb, duck):
         h = db.einsum("mn,nf,fh->mh", a, db.from_numpy("rX", x, tile=(4, 5), replace=True), weight)
         grads.append(db.grad(db.einsum("mh,mh->", h, h), weight).numpy())
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+    with pytest.raises(tra_sql.SpecError, match="dense"):
+        sdb.relation("redges", ("dst", "src"), "w", (12, 12), name="rC", layout="csr")
     np.testing.assert_allclose(grads[0], 2 * (adjacency @ x).T @ (adjacency @ x @ w0), rtol=1e-10)
 
 

@@ -118,7 +118,8 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
 class SparkTraSession(Session):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. Use
     ``tra_sql.connect(engine="spark", ...)`` to make one. Building programs, ``numpy()``,
-    ``arrow()``, ``store()``, ``grad()`` work as on DuckDB; ``sql()`` runs plain Spark SQL."""
+    ``arrow()``, ``store()``, ``grad()``, ``parameter()`` and ``train()`` work as on DuckDB;
+    ``relation()`` copies; ``sql()`` runs plain Spark SQL."""
 
     engine = "spark"
 
@@ -194,9 +195,13 @@ class SparkTraSession(Session):
         return self.spark.table(quote(table)).count()
 
     def relation(self, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
-                 dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False) -> Tensor:
+                 dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
+                 layout: str = "dense") -> Tensor:
         """``tra_sql.relations.relation`` on Spark: the tensor relation of Spark table ``table``,
-        written as a tensor table (a copy: later changes to ``table`` do not show)."""
+        written as a tensor table (a copy: later changes to ``table`` do not show); dense
+        tiles only."""
+        if layout != "dense":
+            raise errors.SpecError(f"relation layout {layout!r}: Spark sessions store dense tiles only")
         keys = (keys,) if isinstance(keys, str) else tuple(keys)
         dtype = catalog.check_dtype(dtype)
         name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
