@@ -269,6 +269,14 @@ def test_cluster_equals_duckdb(cdb, duck):
         np.testing.assert_allclose(theirs[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
 
 
+def test_calibrate_on_the_cluster(cdb):
+    """The cost constants measured on the cluster's executors feed later plans."""
+    consts = cdb.calibrate()
+    assert consts.stmt > 1e-3 and consts.join_byte > 0 and consts.threads == 2 and consts.peak_flops > 1e8
+    a = cdb.from_numpy("cal", np.ones((64, 64)), replace=True)
+    assert cdb.plan(cdb.einsum("ij,jk->ik", a, a)).consts == consts
+
+
 def logistic_regression(db):
     """Cross-entropy of a softmax regression on 40 samples (tiles split the rows): the loss,
     the parameters, and the numpy data."""

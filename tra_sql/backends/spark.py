@@ -26,6 +26,7 @@ from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, spark_query
 from tra_sql.backends.warehouse import Warehouse, quote, write_parquet
 from tra_sql.catalog import TensorInfo
+from tra_sql.decompose.cost import Constants
 from tra_sql.errors import ExecutionError, TraError
 from tra_sql.session import Session
 from tra_sql.sqlgen import Program
@@ -132,12 +133,14 @@ class SparkTraSession(Session):
         #: fused join + aggregate steps whose groups hold more tile bytes than this run as a
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
+        #: the planner's cost constants: measured by ``calibrate()``, else the defaults
+        self.constants: Constants | None = None
 
     @property
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
                               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "tensor SQL syntax, Dropout, calibrate())")
+                              "tensor SQL syntax, Dropout)")
 
     def close(self) -> None:
         if self._owns:
@@ -317,8 +320,15 @@ class SparkTraSession(Session):
         return int(workers or cores), jvm_bytes(heap) / per_executor
 
     def plan(self, tensor: Tensor, workers: int | None = None, memory=None):
-        """EinDecomp for this Spark application (see ``budget()``), with default constants."""
-        from tra_sql.decompose.cost import Constants
+        """EinDecomp for this Spark application (see ``budget()``), with the constants of
+        ``calibrate()`` if it ran, else the defaults."""
         from tra_sql.decompose.plan import make_plan
         workers, per_worker = self.budget(workers, memory)
-        return make_plan(tensor.node, workers, per_worker, Constants())
+        return make_plan(tensor.node, workers, per_worker, self.constants or Constants())
+
+    def calibrate(self) -> Constants:
+        """Measure the planner's cost constants on this application's executors (see
+        ``spark_calibrate``); later ``plan()`` calls of this session use them."""
+        from tra_sql.backends import spark_calibrate
+        self.constants = spark_calibrate.calibrate(self)
+        return self.constants
