@@ -251,7 +251,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--block", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=2, help="timed runs after one warm-up (median)")
-    parser.add_argument("--executor-memory", default="2g", help="per executor (and worker)")
+    parser.add_argument("--executor-memory", default="2g",
+                        help="per executor (and worker); MLlib's 8192² operands need more than 2g")
     parser.add_argument("--only", nargs="*", default=["matmul", "gcn"], choices=["matmul", "gcn"])
     parser.add_argument("--gcn", type=int, nargs=5, default=(8192, 81920, 128, 16, 8),
                         metavar=("NODES", "EDGES", "FEATURES", "HIDDEN", "CLASSES"))

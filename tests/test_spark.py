@@ -1,6 +1,7 @@
-"""The Spark backend: the same programs on Spark SQL (local[2], then a standalone master with
-two workers on 127.0.0.1) give DuckDB's results; tensors move between the engines; a worker
-killed mid-query does not change the answer. Skipped without pyspark or Java."""
+"""The Spark backend: the same programs, gradients and training steps on Spark SQL (local[2],
+then a standalone master with two workers on 127.0.0.1) give DuckDB's (and numpy's) results;
+tensors move between the engines; the planner's budget and constants come from the cluster;
+a worker killed mid-query does not change the answer. Skipped without pyspark or Java."""
 
 import os
 import re
