@@ -144,6 +144,21 @@ def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
         np.testing.assert_allclose(fused, staged, rtol=1e-12)
 
 
+@pytest.mark.parametrize("optimizer", [Adam(lr=0.1), SGD(lr=0.1, momentum=0.9)])
+def test_float32_parameters_stay_float32(db, rng, optimizer):
+    x = rng.standard_normal((30, 4))
+    y = np.eye(3)[rng.integers(0, 3, 30)]
+    w0 = rng.standard_normal((4, 3))
+    losses = {}
+    for dtype in ("float32", "float64"):
+        X, Y = db.from_numpy(f"X_{dtype}", x.astype(dtype)), db.from_numpy(f"Y_{dtype}", y.astype(dtype))
+        W = db.parameter(f"W_{dtype}", init=w0, dtype=dtype)
+        loss = train.cross_entropy(db, db.einsum("ni,ic->nc", X, W), Y, 30)
+        losses[dtype] = db.train(loss, [W], optimizer, 4, run=f"r_{dtype}", progress=False).losses
+        assert db.tensor(f"W_{dtype}").numpy().dtype == dtype
+    np.testing.assert_allclose(losses["float32"], losses["float64"], rtol=1e-5)
+
+
 def test_interrupted_run_resumes_from_the_database_file(tmp_path, rng):
     def session(path):
         db = tra_sql.connect(str(path))

@@ -329,8 +329,11 @@ class Trainer:
         self.names = [p.name for p in self.params]
         self.state = {(name, slot): self._zeros(f"{run}__{slot}__{name}", p)
                       for name, p in zip(self.names, self.params) for slot in optimizer.slots}
-        self.scalar_names = list(optimizer.scalars(1))
-        self.scalars = {s: self._scalar(f"{run}__{s}") for s in self.scalar_names}
+        # the optimizer's step-dependent numbers as scalar tensors, one set per parameter dtype
+        # (float32 weights must stay float32): <run>__<name>, <run>__<name>__float32
+        dtypes = {"float32" if p.dtype == np.float32 else "float64" for p in self.params}
+        self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
+                             for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
         self.plans: dict[int, Plan] = {}
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
         self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
@@ -340,9 +343,9 @@ class Trainer:
             self.db.from_numpy(name, np.zeros(like.shape, like.dtype), tile=like.tile)
         return self.db.tensor(name)
 
-    def _scalar(self, name: str) -> Tensor:
+    def _scalar(self, name: str, dtype: str) -> Tensor:
         if name.lower() not in (t.lower() for t in self.db.tensors()):
-            self.db.from_numpy(name, np.array(0.0))
+            self.db.from_numpy(name, np.array(0.0, dtype))
         return self.db.tensor(name)
 
     def plan(self, batch: int) -> Plan:
@@ -356,7 +359,8 @@ class Trainer:
                 if not autodiff.context(self.db).dense(g.node):  # absent gradient tiles are zeros
                     g = self.db.add(g, self.db.zeros(w.shape, w.dtype, w.tile))
                 state = {slot: self.state[(name, slot)] for slot in self.optimizer.slots}
-                new = self.optimizer.update(self.db, name, w, g, state, self.scalars)
+                scalars = self.scalars["float32" if w.dtype == np.float32 else "float64"]
+                new = self.optimizer.update(self.db, name, w, g, state, scalars)
                 for key, value in new.items():
                     target = name if key == "param" else f"{self.run}__{key}__{name}"
                     roots[target] = graph.retile(value.node, w.tile)
@@ -381,8 +385,9 @@ class Trainer:
 
     def set_scalars(self, step: int) -> None:
         for key, value in self.optimizer.scalars(step).items():
-            blob = np.array(value, dtype=np.float64).tobytes()
-            self.db.con.execute(f'UPDATE "{self.run}__{key}" SET tile = ?', [blob]).fetchall()
+            for dtype, tensors in self.scalars.items():
+                blob = np.array(value, dtype=dtype).tobytes()
+                self.db.con.execute(f'UPDATE "{tensors[key].name}" SET tile = ?', [blob]).fetchall()
 
     def step(self, batch: int, step: int) -> float:
         """Stage one step (loss, new weights and state); returns the loss. Nothing is

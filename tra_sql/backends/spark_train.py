@@ -69,7 +69,8 @@ class SparkTrainer(core.Trainer):
 
     def set_scalars(self, step: int) -> None:
         for key, value in self.optimizer.scalars(step).items():
-            self.db.from_numpy(f"{self.run}__{key}", np.array(value, dtype=np.float64), replace=True)
+            for dtype, tensors in self.scalars.items():
+                self.db.from_numpy(tensors[key].name, np.array(value, dtype=dtype), replace=True)
 
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
