@@ -11,7 +11,8 @@ table's rows are the nonzeros of an (N, N) tensor and joins against it are ordin
   blocks are zeros, and elements inside a block that no row names are zeros too;
 - with ``layout="csr"`` (matrices), rows are grouped into blocks (default: one block) kept
   as their nonzeros (``tra_pack_csr``, see ``tra_sql.udfs.sparse``): sparse-dense products
-  such as ``vu,uf->vf`` then run over the nonzeros, in one kernel call per block. Store the
+  such as ``vu,uf->vf`` then run over the nonzeros, in one kernel call per block. Rows with
+  the same keys stay separate entries (they add up in products and in ``numpy()``). Store the
   view (``tensor.store(name)``) to pack the blocks once instead of at every use.
 
 Keys must be integers in ``[0, n)``; rows outside ``shape`` are not part of the tensor.
