@@ -402,9 +402,27 @@ class Trainer:
         tiles = rows.filter(pc.equal(rows.column("target"), "loss")).column("tile").to_pylist()
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
 
-    def commit(self, batch: int, sets: str, params: list, log: list | None = None) -> None:
-        """Swap batch ``batch``'s staged tables in, update the run row and (at the end of an
-        epoch) log it, in one transaction."""
+    def resume(self) -> tuple[int, int, int, float]:
+        """(step, epoch, batch, loss sum) where the run stopped; a new run starts at zero. A
+        run started with other parameters or another optimizer configuration is refused."""
+        described = json.dumps(self.names)
+        row = self.db.con.execute(f"SELECT step, epoch, batch, loss_sum, params, optimizer FROM {RUNS} "
+                                  f"WHERE run = ?", [self.run]).fetchall()
+        if not row:
+            self.db.con.execute(f"INSERT INTO {RUNS} VALUES (?, 0, 0, 0, 0.0, ?, ?)",
+                                [self.run, described, self.optimizer.describe()]).fetchall()
+            return 0, 0, 0, 0.0
+        step, epoch, batch, loss_sum, params, optimizer = row[0]
+        check_run(self.run, (params, optimizer), (described, self.optimizer.describe()))
+        return step, epoch, batch, loss_sum
+
+    def history(self) -> History:
+        return history(self.db, self.run)
+
+    def commit(self, batch: int, fields: dict, log: list | None = None) -> None:
+        """Swap batch ``batch``'s staged tables in, set ``fields`` of the run row and (at the
+        end of an epoch) log it, in one transaction."""
+        sets = ", ".join(f"{name} = ?" for name in fields)
         con, p = self.db.con, self.plans[batch]
         staged = self.staged.pop(batch, None)
         if staged is not None:
@@ -421,7 +439,7 @@ class Trainer:
                     keys = "".join(f"k{d}, " for d in range(len(p.nodes[target].shape)))
                     con.execute(f'INSERT INTO "{target}" SELECT {keys}tile FROM {STAGED} WHERE target = ?',
                                 [target]).fetchall()
-            con.execute(f"UPDATE {RUNS} SET {sets} WHERE run = ?", params + [self.run]).fetchall()
+            con.execute(f"UPDATE {RUNS} SET {sets} WHERE run = ?", [*fields.values(), self.run]).fetchall()
             if log is not None:
                 con.execute(f"INSERT INTO {LOG} VALUES (?, ?, ?, ?, ?)", [self.run] + log).fetchall()
             con.execute("COMMIT").fetchall()
@@ -459,22 +477,27 @@ def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int
     """
     relations.ensure_udfs(db)
     _ensure_tables(db)
-    trainer = Trainer(db, loss, params, optimizer, run, batches)
-    described = json.dumps(trainer.names)
-    row = db.con.execute(f"SELECT step, epoch, batch, loss_sum, params, optimizer FROM {RUNS} WHERE run = ?",
-                         [run]).fetchall()
-    if not row:
-        db.con.execute(f"INSERT INTO {RUNS} VALUES (?, 0, 0, 0, 0.0, ?, ?)",
-                       [run, described, optimizer.describe()]).fetchall()
-        step, epoch, batch, loss_sum = 0, 0, 0, 0.0
-    else:
-        step, epoch, batch, loss_sum, stored_params, stored_opt = row[0]
-        if stored_params != described or stored_opt != optimizer.describe():
-            raise TraError(f"run '{run}' was started with parameters {stored_params} and {stored_opt}; "
-                           f"this call has {described} and {optimizer.describe()}: use another run name")
-    bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
-               desc=run, unit="epoch")
     engine_bar = _progress_bar(db, False)  # one bar: ours
+    try:
+        return loop(Trainer(db, loss, params, optimizer, run, batches), epochs, before_step, on_epoch, progress)
+    finally:
+        _progress_bar(db, engine_bar)
+
+
+def check_run(run: str, stored: tuple[str, str], given: tuple[str, str]) -> None:
+    """A run continues only with the parameters and optimizer configuration it started with."""
+    if stored != given:
+        raise TraError(f"run '{run}' was started with parameters {stored[0]} and {stored[1]}; "
+                       f"this call has {given[0]} and {given[1]}: use another run name")
+
+
+def loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | None) -> History:
+    """``train``'s epochs and batches from where ``trainer``'s run stopped, committing every
+    step; the run's ``History``."""
+    step, epoch, batch, loss_sum = trainer.resume()
+    batches = trainer.batches
+    bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
+               desc=trainer.run, unit="epoch")
     try:
         while epoch < epochs:
             started = time.perf_counter()
@@ -484,9 +507,9 @@ def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int
                 loss_sum += trainer.step(batch, step + 1)
                 step, batch = step + 1, batch + 1
                 if batch < batches:
-                    trainer.commit(batch - 1, "step = ?, batch = ?, loss_sum = ?", [step, batch, loss_sum])
+                    trainer.commit(batch - 1, {"step": step, "batch": batch, "loss_sum": loss_sum})
             mean = loss_sum / batches
-            trainer.commit(batch - 1, "step = ?, epoch = ?, batch = 0, loss_sum = 0.0", [step, epoch + 1],
+            trainer.commit(batch - 1, {"step": step, "epoch": epoch + 1, "batch": 0, "loss_sum": 0.0},
                            log=[epoch, step, mean, time.perf_counter() - started])
             epoch, batch, loss_sum = epoch + 1, 0, 0.0
             bar.update(1)
@@ -495,5 +518,4 @@ def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int
                 on_epoch(epoch - 1, mean)
     finally:
         bar.close()
-        _progress_bar(db, engine_bar)
-    return history(db, run)
+    return trainer.history()

@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_sql import spark_union_query
 from tra_sql.backends.warehouse import write_parquet
-from tra_sql.errors import TraError
 from tra_sql.optim import Optimizer
 from tra_sql.sqlgen import Program
 
@@ -89,16 +86,30 @@ class SparkTrainer(core.Trainer):
         tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
 
-    def commit(self, batch: int, sets: dict, log: list | None = None) -> None:
-        """Publish batch ``batch``'s staged weights and state, then the run row ``sets`` and
-        the log row ``log``."""
+    def resume(self) -> tuple[int, int, int, float]:
+        described = (json.dumps(self.names), self.optimizer.describe())
+        row = next((r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] == self.run), None)
+        if row is None:
+            row = {"run": self.run, "step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "params": described[0],
+                   "optimizer": described[1]}
+        core.check_run(self.run, (row["params"], row["optimizer"]), described)
+        self.row = row
+        return row["step"], row["epoch"], row["batch"], row["loss_sum"]
+
+    def history(self) -> core.History:
+        return history(self.db, self.run)
+
+    def commit(self, batch: int, fields: dict, log: list | None = None) -> None:
+        """Publish batch ``batch``'s staged weights and state, then the run row with ``fields``
+        and the log row ``log``."""
+        self.row = self.row | fields
         staging = self.staging(batch)
         for target in self.plans[batch].tables:
             if target != "loss":
                 self.db.warehouse.publish(staging / f"target={target}", target)
         shutil.rmtree(staging, ignore_errors=True)
         runs = [r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] != self.run]
-        write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [sets | {"run": self.run}])
+        write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [self.row])
         if log is not None:
             logged = rows(self.db, core.LOG, LOG_SCHEMA)
             write_rows(self.db, core.LOG, LOG_SCHEMA, logged + [dict(zip(LOG_SCHEMA.names, [self.run] + log))])
@@ -108,36 +119,4 @@ def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run:
           before_step: Callable[[int, int], None] | None = None,
           on_epoch: Callable[[int, float], None] | None = None, progress: bool | None = None) -> core.History:
     """``tra_sql.train.train`` on a Spark session (same arguments, same resumable runs)."""
-    trainer = SparkTrainer(db, loss, params, optimizer, run, batches)
-    described = json.dumps(trainer.names)
-    row = next((r for r in rows(db, core.RUNS, RUN_SCHEMA) if r["run"] == run), None)
-    if row is None:
-        row = {"run": run, "step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "params": described,
-               "optimizer": optimizer.describe()}
-    elif row["params"] != described or row["optimizer"] != optimizer.describe():
-        raise TraError(f"run '{run}' was started with parameters {row['params']} and {row['optimizer']}; "
-                       f"this call has {described} and {optimizer.describe()}: use another run name")
-    step, epoch, batch, loss_sum = row["step"], row["epoch"], row["batch"], row["loss_sum"]
-    bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
-               desc=run, unit="epoch")
-    try:
-        while epoch < epochs:
-            started = time.perf_counter()
-            while batch < batches:
-                if before_step is not None:
-                    before_step(step, batch)
-                loss_sum += trainer.step(batch, step + 1)
-                step, batch = step + 1, batch + 1
-                if batch < batches:
-                    trainer.commit(batch - 1, row | {"step": step, "batch": batch, "loss_sum": loss_sum})
-            mean = loss_sum / batches
-            trainer.commit(batch - 1, row | {"step": step, "epoch": epoch + 1, "batch": 0, "loss_sum": 0.0},
-                           log=[epoch, step, mean, time.perf_counter() - started])
-            epoch, batch, loss_sum = epoch + 1, 0, 0.0
-            bar.update(1)
-            bar.set_postfix(loss=f"{mean:.4f}")
-            if on_epoch is not None:
-                on_epoch(epoch - 1, mean)
-    finally:
-        bar.close()
-    return history(db, run)
+    return core.loop(SparkTrainer(db, loss, params, optimizer, run, batches), epochs, before_step, on_epoch, progress)
