@@ -228,6 +228,9 @@ def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     assert duck.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
     with pytest.raises(tra_sql.TensorExistsError):
         transfer.copy(sdb, duck, "cG")
+    duck.relation("edges", ("dst", "src"), "w", (100, 10), name="cS", layout="csr")
+    with pytest.raises(tra_sql.SpecError, match="dense tiles only"):
+        transfer.copy(duck, sdb, "cS")
 
 
 def test_relation_and_sparse_gradient(sdb, duck):

@@ -17,7 +17,7 @@ import duckdb
 from tra_sql import catalog
 from tra_sql.backends.warehouse import ROW_GROUP_BYTES, literal, quote
 from tra_sql.catalog import TensorInfo
-from tra_sql.errors import ExecutionError, TensorExistsError, TraError, UnknownTensorError
+from tra_sql.errors import ExecutionError, SpecError, TensorExistsError, TraError, UnknownTensorError
 
 
 def engine(session) -> str:
@@ -66,6 +66,8 @@ def _duckdb_to_spark(src, dst, name: str, to: str, replace: bool) -> None:
         raise UnknownTensorError(f"no table named '{name}' in the DuckDB database")
     rows = ""
     if info is not None:
+        if info.layout != "dense":
+            raise SpecError(f"'{name}' is stored {info.layout}: the Spark warehouse holds dense tiles only")
         tile_bytes = prod(info.tile) * info.dtype.itemsize
         rows = f", ROW_GROUP_SIZE {max(1, ROW_GROUP_BYTES // tile_bytes)}"
         info = TensorInfo(to, info.dtype, info.shape, info.tile)
