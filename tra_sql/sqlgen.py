@@ -1,10 +1,12 @@
 """From the DAG to SQL: every node becomes a SELECT over its inputs' tile relations.
 
 - an ``Einsum`` joins its operands on the keys of shared indices (an index repeated inside
-  one operand filters that operand's keys), calls a tile UDF per joined row, and, when an
-  aggregated index is split over several tiles, groups by the output keys and hands the
-  kernel each group's joined rows as one list of structs (a fused join + aggregate; one
-  list keeps the operands' tiles aligned without sorting);
+  one operand filters that operand's keys) and calls a tile UDF per joined row. When an
+  aggregated index is split over several tiles it groups by the output keys: each joined
+  row's partial result is aggregated (``tra_reduce`` over ``list(partial)``), or, where a
+  row's input tiles hold fewer bytes than its result, the kernel gets each group's joined
+  rows as one list of structs (a fused join + aggregate; one list keeps the operands'
+  tiles aligned without sorting), see ``partials_first``;
 - a ``Place`` (re-tile, slice, concat, reshape) joins each source tile to the output tiles it
   overlaps (a range join on computed element offsets) and assembles each output tile from
   its pieces; a ``Fill`` generates constant tiles from ``range()`` tables;

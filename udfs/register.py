@@ -9,9 +9,13 @@ serves every einsum of its arity:
 - ``tra_einsum_agg_<n>(meta, out_keys, list({keys0, tile0, ..., keys<n-1>, tile<n-1>}))``:
   one output tile per group, aggregating the group's joined rows inside the kernel (fused
   join + aggregate);
+- ``tra_reduce(meta, out_keys, list(tile))``: one output tile per group, the aggregate of
+  the partial results ``tra_einsum_<n>`` computed per joined row;
 - with an epilogue (an element-wise einsum fused into the step, ``meta["epilogue"]``), its
-  other operands follow as (keys, tile) pairs: ``tra_einsum_<n+k>`` and
-  ``tra_einsum_agg_<n>_<k>(..., keys, tile, ...)`` (one value per group);
+  other operands follow as (keys, tile) pairs: ``tra_einsum_<n+k>``,
+  ``tra_einsum_agg_<n>_<k>(..., keys, tile, ...)`` and ``tra_reduce_<k>`` (one value per group);
+- operands and results with ``meta["layouts"]`` / ``meta["out_layout"]`` ``csr`` are CSR
+  tiles (``tra_sql.udfs.sparse``); ``tra_pack_csr`` packs them from a relation's rows;
 - ``tra_place(meta, out_keys, list({origin, shape, part, tile}))``: one output tile of a
   re-tiling, slice, concatenation or reshape, assembled from the source pieces that overlap
   it (origins in output element coordinates; row-major flat ones for a reshape);
