@@ -291,7 +291,7 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
             session.con.execute(f'INSERT INTO "{target}" {query.sql(dialect="duckdb")}').fetchall()
         if acc is not None:
             _drop(session, [acc.table])
-        acc = Source(node.shape, node.dtype, node.tile, target)
+        acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
 
 
 def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
@@ -302,7 +302,7 @@ def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
         return min((hi + 1) * t, n) - lo * t
 
     operands = tuple(Source(tuple(extent(c, n, t) if c in ranges else n for c, n, t in zip(sub, x.shape, x.tile)),
-                            x.dtype, x.tile, x.table) for sub, x in zip(node.spec.inputs, node.operands))
+                            x.dtype, x.tile, x.table, x.layout) for sub, x in zip(node.spec.inputs, node.operands))
     return replace(node, operands=operands)
 
 
