@@ -143,14 +143,25 @@ def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
     return pa.table(columns)
 
 
+def check_tile_table(name: str, tiles: pa.Table, shape, tile, dtype) -> TensorInfo:
+    """The ``TensorInfo`` of an Arrow tile relation (columns ``k0..``, ``tile``) to store as
+    tensor ``name``, after checking every tile against ``shape``, ``tile`` and ``dtype``."""
+    info = TensorInfo(check_name(name), check_dtype(dtype), tuple(shape), check_tile(tuple(shape), tile, name))
+    expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
+    if tiles.column_names != expected:
+        raise ShapeError(f"tile table for '{name}' must have columns {expected}, got {tiles.column_names}")
+    assemble(info, tiles)
+    return info
+
+
 def _assemble_csr(info: TensorInfo, out: np.ndarray, keys, shapes, data, offsets, valid) -> np.ndarray:
     """Add the entries of CSR tiles into the dense ``out``."""
     for i, (key, shape) in enumerate(zip(keys, shapes)):
         if not valid[i]:
             raise CorruptTileError(f"tile {tuple(int(k) for k in key)} of tensor '{info.name}' is NULL")
         tile = sparse.check(info.name, key, data[offsets[i] : offsets[i + 1]], shape, info.dtype)
-        out[key[0] * info.tile[0] : key[0] * info.tile[0] + shape[0],
-            key[1] * info.tile[1] : key[1] * info.tile[1] + shape[1]] += tile.dense()
+        rows = np.repeat(np.arange(key[0] * info.tile[0], key[0] * info.tile[0] + shape[0]), np.diff(tile.indptr))
+        np.add.at(out, (rows, key[1] * info.tile[1] + tile.indices), tile.data)
     return out
 
 

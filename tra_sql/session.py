@@ -93,13 +93,7 @@ class Session:
     def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
         """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
         every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
-        info = TensorInfo(catalog.check_name(name), catalog.check_dtype(dtype), tuple(shape),
-                          catalog.check_tile(tuple(shape), tile, name))
-        expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
-        if tiles.column_names != expected:
-            raise errors.ShapeError(f"tile table for '{name}' must have columns {expected}, "
-                                    f"got {tiles.column_names}")
-        catalog.assemble(info, tiles)
+        info = catalog.check_tile_table(name, tiles, shape, tile, dtype)
         self.con.register("_tra_import", tiles)
         try:
             keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(len(info.shape)))

@@ -110,7 +110,7 @@ class Plan:
     prologue: list[tuple[str, str]] = field(default_factory=list)
     #: each table's program, prologue's and statements' in order (for engines other than DuckDB)
     programs: dict[str, Program] = field(default_factory=dict)
-    #: the statements as one query of every root's rows (``Program.union_query``), if it fits
+    #: one query of every root's rows (``Program.union_query``) in place of the statements, if it fits
     fused: str | None = None
 
 
@@ -150,8 +150,10 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
     """A ``Plan`` storing each root into temp table ``<prefix>_<key>``. Sources that are
     ``views`` (lower-case names: relations, which pack their tiles when read) are copied into
     temp tables by the plan's prologue, which ``execute`` runs only when asked to. If the
-    computed nodes hold at most ``fuse_bytes`` (dense), the plan also has the ``fused`` query."""
+    computed nodes hold at most ``fuse_bytes`` (dense), the roots are computed by the one
+    ``fused`` query instead of statements."""
     order, uses = _consumers(list(roots.values()))
+    fits = sum(prod(n.shape) * n.dtype.itemsize for n in order if not isinstance(n, Source)) <= fuse_bytes
     wanted = {id(n): key for key, n in roots.items()}
     subst: dict[int, Node] = {}
     view_subst: dict[int, Node] = {}
@@ -163,6 +165,10 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
             continue
         number = len(statements) + len(prologue)
         table = f"{prefix}_{wanted[id(node)]}" if id(node) in wanted else f"{prefix}__s{number}"
+        if id(node) in wanted:
+            tables[wanted[id(node)]] = table
+        if fits and not view:  # computed by the fused query
+            continue
         program = Program.compile(_rebuild(node, subst, {}))
         (prologue if view else statements).append(
             (table, f'CREATE OR REPLACE TEMP TABLE "{table}" AS {program.sql(pretty=False)}'))
@@ -171,11 +177,8 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
         subst[id(node)] = Source(node.shape, node.dtype, node.tile, table, node.layout)
         if view:
             view_subst[id(node)] = subst[id(node)]
-        if id(node) in wanted:
-            tables[wanted[id(node)]] = table
     fused = None
-    computed = [n for n in order if not isinstance(n, Source)]
-    if sum(prod(n.shape) * n.dtype.itemsize for n in computed) <= fuse_bytes:
+    if fits:
         memo: dict[int, Node] = {}
         results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
         program = Program.compile(*results.values())
@@ -190,7 +193,7 @@ def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
     from tra_sql.session import translate
 
     db.ensure_udfs(p.udfs)
-    for table, sql in (p.prologue if prologue else []) + ([] if p.fused else p.statements):
+    for table, sql in (p.prologue if prologue else []) + p.statements:
         try:
             db.con.execute(sql).fetchall()
         except duckdb.Error as err:

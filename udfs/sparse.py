@@ -67,12 +67,6 @@ class CSRTile:
             return None
         return CSRTile((rows, cols), indptr, indices, data)
 
-    def dense(self) -> np.ndarray:
-        out = np.zeros(self.shape, self.data.dtype)
-        rows = np.repeat(np.arange(self.shape[0]), np.diff(self.indptr))
-        np.add.at(out, (rows, self.indices), self.data)
-        return out
-
 
 def like(tile: CSRTile, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The bytes of a new CSR tile with ``tile``'s entries and ``dtype`` values, and a view of

@@ -165,14 +165,8 @@ class SparkTraSession(Session):
     def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
         """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
         every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
-        info = TensorInfo(catalog.check_name(name), catalog.check_dtype(dtype), tuple(shape),
-                          catalog.check_tile(tuple(shape), tile, name))
-        expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
-        if tiles.column_names != expected:
-            raise errors.ShapeError(f"tile table for '{name}' must have columns {expected}, "
-                                    f"got {tiles.column_names}")
-        catalog.assemble(info, tiles)
-        schema = pa.schema([(k, pa.int32()) for k in expected[:-1]] + [("tile", pa.large_binary())])
+        info = catalog.check_tile_table(name, tiles, shape, tile, dtype)
+        schema = pa.schema([(f"k{d}", pa.int32()) for d in range(len(info.shape))] + [("tile", pa.large_binary())])
         tiles = tiles.cast(schema)
         self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
         return self.tensor(name)

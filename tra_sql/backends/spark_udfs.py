@@ -33,47 +33,41 @@ def _batch_udf(function, empty: pa.DataType):
     return udf
 
 
-def einsum_group(batches) -> bytes:
-    """``tra_einsum_group_<n>(meta, out_keys, keys_0, tile_0, ...)``, a grouped aggregate: the
-    joined rows of one output tile come in batches; each batch is one kernel call per row
-    (``tra_einsum_<n>``'s) reduced with the step's aggregate, and the batches are reduced in
-    turn. Memory: one batch, never the group's whole list."""
-    from tra_sql.udfs.arrowio import binary_views, first_string
-    from tra_sql.udfs.register import REDUCE, StepMeta, einsum_rows
-
-    out = None
-    for meta_col, keys_col, *operands in batches:
-        if not len(meta_col):
-            continue
-        meta = StepMeta.parse(first_string(meta_col))
-        data, offsets, _ = binary_views(einsum_rows(meta_col, keys_col, *operands))
-        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(meta_col), -1)
-        part = REDUCE[meta.agg].reduce(rows, axis=0)
-        out = part if out is None else REDUCE[meta.agg](out, part, out=out)
-    if out is None:
-        raise ValueError("tra_einsum_group: an empty group")
-    return out.tobytes()
-
-
-def reduce_group(batches) -> bytes:
-    """``tra_reduce_group(meta, partial)``, a grouped aggregate: the partial results of one
-    output tile (all of its shape) come in batches, each reduced with the step's aggregate.
-    Memory: one batch, never the group's whole list."""
+def _fold(name: str, batches) -> bytes:
+    """One output tile from ``(meta column, tile column)`` batches of partial results, each
+    reduced with the step's aggregate, then reduced in turn. Memory: one batch at a time."""
     from tra_sql.udfs.arrowio import binary_views, first_string
     from tra_sql.udfs.register import REDUCE, StepMeta
 
     out = None
-    for meta_col, partials in batches:
+    for meta_col, tiles in batches:
         if not len(meta_col):
             continue
         meta = StepMeta.parse(first_string(meta_col))
-        data, offsets, _ = binary_views(partials)
-        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(partials), -1)
+        data, offsets, _ = binary_views(tiles)
+        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(meta_col), -1)
         part = REDUCE[meta.agg].reduce(rows, axis=0)
         out = part if out is None else REDUCE[meta.agg](out, part, out=out)
     if out is None:
-        raise ValueError("tra_reduce_group: an empty group")
+        raise ValueError(f"{name}: an empty group")
     return out.tobytes()
+
+
+def einsum_group(batches) -> bytes:
+    """``tra_einsum_group_<n>(meta, out_keys, keys_0, tile_0, ...)``, a grouped aggregate: the
+    joined rows of one output tile come in batches; each batch is one kernel call per row
+    (``tra_einsum_<n>``'s) whose products are reduced with the step's aggregate."""
+    from tra_sql.udfs.register import einsum_rows
+
+    products = ((meta_col, einsum_rows(meta_col, keys_col, *operands))
+                for meta_col, keys_col, *operands in batches if len(meta_col))
+    return _fold("tra_einsum_group", products)
+
+
+def reduce_group(batches) -> bytes:
+    """``tra_reduce_group(meta, partial)``, a grouped aggregate: the partial results of one
+    output tile (all of its shape) come in batches, reduced with the step's aggregate."""
+    return _fold("tra_reduce_group", batches)
 
 
 GROUPED = {"tra_reduce_group": reduce_group}
