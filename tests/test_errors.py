@@ -118,3 +118,11 @@ def test_operand_from_other_session(ab):
     with tra_sql.connect() as other:
         with pytest.raises(tra_sql.TraError, match="another session"):
             other.einsum("ij->i", ab[0])
+
+
+def test_import_beyond_memory_limit_is_an_execution_error_and_leaves_nothing(tmp_path):
+    db = tra_sql.connect(str(tmp_path / "small.duckdb"), memory_limit="2MB")
+    with pytest.raises(tra_sql.ExecutionError, match="storing 'X'.*Out of Memory"):
+        db.from_numpy("X", np.ones((2048, 512), np.float32), tile=(256, 512))
+    assert "X" not in db.tensors()
+    assert not db.con.execute("SELECT * FROM duckdb_tables() WHERE table_name = 'X'").fetchall()

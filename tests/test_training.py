@@ -144,6 +144,29 @@ def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
         np.testing.assert_allclose(fused, staged, rtol=1e-12)
 
 
+def test_step_whose_one_query_runs_out_of_memory_is_staged(tmp_path, rng, monkeypatch):
+    """A fused step that exceeds DuckDB's memory_limit is rerun as staged statements (which
+    spill), and the run equals one without the limit."""
+    X = rng.standard_normal((8192, 64)).astype("float32")
+    runs = {}
+    for limit in (None, "24MB"):
+        db = tra_sql.connect(str(tmp_path / f"{limit}.duckdb"), **({"memory_limit": limit} if limit else {}))
+        x, y = db.from_numpy("X", X, tile=(1024, 64)), db.from_numpy("y", np.tanh(X[:, 0]), tile=(1024,))
+        params = [db.parameter(name, shape, dtype="float32")
+                  for name, shape in (("W1", (64, 64)), ("b1", (64,)), ("W2", (64, 1)), ("b2", (1,)))]
+        out = nn.mlp(db, x, [tuple(params[:2]), tuple(params[2:])])
+        loss = db.einsum("no,n->", out, y, join="(x0 - x1) * (x0 - x1) / 8192")
+        trainer = train.Trainer(db, loss, params, Adam(lr=0.01), "oom", 1)
+        if limit:
+            monkeypatch.setattr(train.Trainer, "fuse_bytes", lambda self: 1e12)  # always try one query first
+            assert trainer.plan(0).fused is not None
+        losses = [trainer.step(0, step) for step in (1, 2)]
+        assert trainer.staged_only == ({0} if limit else set())
+        runs[limit] = losses
+        db.close()
+    np.testing.assert_allclose(runs["24MB"], runs[None], rtol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", [Adam(lr=0.1), SGD(lr=0.1, momentum=0.9)])
 def test_float32_parameters_stay_float32(db, rng, optimizer):
     x = rng.standard_normal((30, 4))

@@ -81,27 +81,25 @@ class Session:
         array = np.asarray(array)
         dtype = catalog.check_dtype(array.dtype)
         tile = catalog.check_tile(array.shape, tile, name)
-        self.con.register("_tra_import", catalog.tile_table(array, tile))
-        try:
-            keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(array.ndim))
-            select = f"SELECT {keys}{', ' if keys else ''}tile FROM _tra_import"
-            catalog.create_tensor_table(self.con, TensorInfo(name, dtype, array.shape, tile), select, replace)
-        finally:
-            self.con.unregister("_tra_import")
-        return self.tensor(name)
+        return self._import(TensorInfo(name, dtype, array.shape, tile), catalog.tile_table(array, tile), replace)
 
     def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
         """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
         every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
-        info = catalog.check_tile_table(name, tiles, shape, tile, dtype)
+        return self._import(catalog.check_tile_table(name, tiles, shape, tile, dtype), tiles, replace)
+
+    def _import(self, info: TensorInfo, tiles: pa.Table, replace: bool) -> Tensor:
+        """Store the Arrow tile table ``tiles`` as tensor ``info.name``, all or nothing."""
         self.con.register("_tra_import", tiles)
         try:
             keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(len(info.shape)))
             select = f"SELECT {keys}{', ' if keys else ''}tile::BLOB AS tile FROM _tra_import"
             catalog.create_tensor_table(self.con, info, select, replace)
+        except duckdb.Error as err:
+            raise translate(err, f"storing '{info.name}'") from None
         finally:
             self.con.unregister("_tra_import")
-        return self.tensor(name)
+        return self.tensor(info.name)
 
     def tensor(self, name: str) -> Tensor:
         """The stored tensor relation ``name``."""

@@ -187,6 +187,10 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
     return Plan(statements, udfs, tables, dict(roots), prologue, programs, fused)
 
 
+class FusedOutOfMemory(Exception):
+    """A plan's ``fused`` query ran out of memory (it wrote nothing; the staged statements may fit)."""
+
+
 def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
     """Run a plan, after its prologue if ``prologue`` (the engine's errors become
     ``TraError``s): its ``fused`` query, whose rows it returns, or else its statements."""
@@ -201,6 +205,8 @@ def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
     if p.fused:
         try:
             return db.con.sql(p.fused).to_arrow_table()
+        except duckdb.OutOfMemoryException:
+            raise FusedOutOfMemory from None
         except duckdb.Error as err:
             raise translate(err, f"computing {', '.join(p.tables)}") from None
     return None
@@ -338,6 +344,7 @@ class Trainer:
         self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
                              for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
         self.plans: dict[int, Plan] = {}
+        self.staged_only: set[int] = set()  # batches whose fused query ran out of memory
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
         self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
 
@@ -368,7 +375,8 @@ class Trainer:
                     target = name if key == "param" else f"{self.run}__{key}__{name}"
                     roots[target] = graph.retile(value.node, w.tile)
             prefix = f"_tra_{self.run}" + (f"_b{batch}" if self.batches > 1 else "")
-            self.plans[batch] = plan(roots, prefix, self.views(), self.fuse_bytes())
+            fuse = 0 if batch in self.staged_only else self.fuse_bytes()
+            self.plans[batch] = plan(roots, prefix, self.views(), fuse)
         return self.plans[batch]
 
     def fuse_bytes(self) -> float:
@@ -397,7 +405,13 @@ class Trainer:
         committed: see ``commit``."""
         p = self.plan(batch)
         self.set_scalars(step)
-        rows = execute(self.db, p, prologue=batch not in self.snapshots)
+        try:
+            rows = execute(self.db, p, prologue=batch not in self.snapshots)
+        except FusedOutOfMemory:  # stage it in tables, which spill, from now on
+            self.staged_only.add(batch)
+            del self.plans[batch]
+            p = self.plan(batch)
+            rows = execute(self.db, p)
         self.snapshots.add(batch)
         if rows is None:
             return scalar_value(self.db, p.tables["loss"], p.nodes["loss"].dtype)
