@@ -106,6 +106,38 @@ def test_derivative_simplifies():
     assert derivative.to_sql(derivative.diff(derivative.parse("exp(x1)"), "x0")) == "0"
 
 
+@pytest.mark.parametrize("join, var, over_y", [
+    ("greatest(x0 + x1, 0.0)", "x0", "CASE WHEN _y > 0.0 THEN 1 ELSE 0 END"),
+    ("relu(x0 - x1)", "x1", "CASE WHEN _y > 0 THEN -1 ELSE 0 END"),
+    ("least(x0, 6)", "x0", "CASE WHEN 6 > _y THEN 1 ELSE 0 END"),
+    ("tanh(x0 + x1)", "x1", "1 - (_y * _y)"),
+    ("sigmoid(x0)", "x0", "_y * (1 - _y)"),
+    ("exp(x0 - x1)", "x1", "-_y"),
+    ("relu(x0 * x1)", "x0", None),  # the derivative needs x1 itself
+    ("greatest(x0, x1)", "x0", None),  # no constant to compare the output with
+])
+def test_derivative_over_the_output(join, var, over_y):
+    J = derivative.parse(join)
+    got = derivative.through_output(J, derivative.diff(J, var), "_y")
+    assert (got if got is None else derivative.to_sql(got)) == over_y
+
+
+def test_relu_backward_reads_its_output_not_its_input(db, rng):
+    """As PyTorch's ReLU saves its output: the pre-activation is read only by the ReLU, so the
+    step computing it can carry the ReLU as its epilogue."""
+    X, W, b = rng.standard_normal((6, 4)), rng.standard_normal((4, 3)), rng.standard_normal(3)
+    w, bias = db.from_numpy("w", W), db.from_numpy("b", b)
+    pre = db.einsum("ni,io->no", db.from_numpy("x", X), w)
+    y = db.einsum("no,o->no", pre, bias, join="greatest(x0 + x1, 0)")
+    gw, gb = db.grad(db.einsum("no->", y, join="x0 * x0"), [w, bias])
+    readers = {id(n) for g in (gw, gb) for n in graph.topological(g.node)
+               if isinstance(n, graph.Einsum) and any(op is pre.node for op in n.operands)}
+    assert readers == {id(y.node)}
+    dpre = 2 * np.maximum(X @ W + b, 0) * (X @ W + b > 0)
+    np.testing.assert_allclose(gw.numpy(), X.T @ dpre, rtol=1e-12)
+    np.testing.assert_allclose(gb.numpy(), dpre.sum(0), rtol=1e-12)
+
+
 # -- whole programs against torch -------------------------------------------------------------
 def _torch_einsum(inputs, output, tensors, fn, agg):
     """Extended einsum in torch: join elementwise over the full index space, then reduce."""

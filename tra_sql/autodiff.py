@@ -32,7 +32,8 @@ import numpy as np
 from sqlglot import exp
 
 from tra_sql import graph
-from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, to_sql, variables
+from tra_sql.derivative import (diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql,
+                                 variables)
 from tra_sql.errors import DTypeError, ShapeError
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
@@ -241,7 +242,11 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
             if shared is not None:
                 part = graph.einsum(f"{o}->{sub}", [shared], [f"d{node.label}"])
             else:
-                part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
+                over_y = _over_output(node, J, D, ctx)
+                if over_y is not None:  # g·D(y): the backward reads the output, not the inputs
+                    part = _vjp(node, i, [(o, g), (o, node)], mul(exp.column("x0"), over_y), ctx)
+                else:
+                    part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
                 if sub == o and part is not None:
                     at_output[to_sql(D)] = part
         elif agg in ("max", "min"):
@@ -265,6 +270,15 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
             part = _vjp(node, i, [(o, g), (o, nonzero), (o, zeros)], expr, ctx)
         if part is not None:
             yield op, part
+
+
+def _over_output(node: Einsum, J: exp.Expression, D: exp.Expression, ctx: Context) -> exp.Expression | None:
+    """``D`` over the output ``y = J`` (as ``x1``, after the gradient ``x0``) for a dense
+    element-wise einsum whose derivative can be written so (ReLU, tanh, sigmoid, exp)."""
+    if node.spec.aggregated or node.layout != "dense" or not ctx.dense(node) or not variables(D):
+        return None
+    over_y = through_output(J, D, "_y")
+    return None if over_y is None else rename(over_y, {"_y": "x1"})
 
 
 def _via_elementwise(node: Einsum, g: Node, needs: set[int], ctx: Context):

@@ -173,6 +173,44 @@ def case(condition: exp.Expression, then: exp.Expression, otherwise: exp.Express
     return exp.Case(ifs=[exp.If(this=condition.copy(), true=then)], default=otherwise)
 
 
+def _bare(expr: exp.Expression) -> exp.Expression:
+    while isinstance(expr, exp.Paren):
+        expr = expr.this
+    return expr
+
+
+def through_output(join: exp.Expression, derivative: exp.Expression, y: str) -> exp.Expression | None:
+    """``derivative`` (of ``join``) over ``join``'s value alone, the variable ``y``, if it can
+    be written so; else None. Occurrences of ``join`` become ``y`` (``1 - tanh(a)^2`` becomes
+    ``1 - y*y``), and the condition ``a > c`` of a ``greatest(a, c)`` or ``relu(a)`` (``c > a``
+    of ``least(a, c)``), with ``c`` a constant, becomes ``y > c`` (``c > y``). A backward pass
+    that needs only the output spares keeping the input, as PyTorch's ReLU does."""
+    core = _bare(join)
+    args = [core.this, *core.expressions] if isinstance(core, (exp.Greatest, exp.Least)) else []
+    if isinstance(core, exp.Anonymous) and core.name.lower() == "relu" and len(core.expressions) == 1:
+        core_args, kind = [core.expressions[0], num(0)], exp.Greatest
+    elif len(args) == 2 and not variables(args[1]):
+        core_args, kind = args, type(core)
+    else:
+        core_args, kind = None, None
+    out = exp.column(y)
+
+    def swap(node: exp.Expression) -> exp.Expression:
+        if _bare(node) == core:
+            return out.copy()
+        if core_args and isinstance(node, exp.GT):
+            first, const = core_args
+            left, right = _bare(node.this), _bare(node.expression)
+            if kind is exp.Greatest and left == _bare(first) and right == _bare(const):
+                return gt(out, const)
+            if kind is exp.Least and left == _bare(const) and right == _bare(first):
+                return gt(const, out)
+        return node
+
+    result = derivative.copy().transform(swap)
+    return result if not variables(result) else None
+
+
 # -- differentiation ------------------------------------------------------------------------
 def diff(expr: exp.Expression, var: str, text: str | None = None) -> exp.Expression:
     """The partial derivative of ``expr`` with respect to variable ``var`` (e.g. ``"x0"``);
