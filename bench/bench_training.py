@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SIZES = {
     "full": {"mlp": (65536, 128, 256, 10), "gcn": (100_000, 1_000_000, 128, 16, 8), "mf": (6040, 3706, 1_000_000, 32),
-             "ooc": (819_200, 128, 64, 32, "200MB")},
+             "ooc": (819_200, 128, 64, 32)},
     "quick": {"mlp": (8192, 64, 128, 10), "gcn": (10_000, 100_000, 128, 16, 8), "mf": (943, 1682, 100_000, 32),
-              "ooc": (409_600, 128, 64, 32, "100MB")},
+              "ooc": (409_600, 128, 64, 32)},
 }
 
 
@@ -85,7 +85,7 @@ def ratings_data(users, items, count, k, seed=0):
 
 
 # -- tra_sql workers ---------------------------------------------------------------------------
-def tra_mlp(n, f, h, c, epochs):
+def tra_mlp(n, f, h, c, epochs, dtype):
     import tra_sql
     from tra_sql import nn
     from tra_sql.optim import Adam
@@ -94,13 +94,13 @@ def tra_mlp(n, f, h, c, epochs):
     X, Y = mlp_data(n, f, c)
     db = tra_sql.connect()
     rows = min(n, 8192)
-    x, y = db.from_numpy("X", X, tile=(rows, f)), db.from_numpy("Y", Y, tile=(rows, c))
-    p = {k: db.parameter(k, init=v) for k, v in mlp_weights(f, h, c).items()}
+    x, y = db.from_numpy("X", X.astype(dtype), tile=(rows, f)), db.from_numpy("Y", Y.astype(dtype), tile=(rows, c))
+    p = {k: db.parameter(k, init=v, dtype=dtype) for k, v in mlp_weights(f, h, c).items()}
     loss = cross_entropy(db, nn.mlp(db, x, [(p["W1"], p["b1"]), (p["W2"], p["b2"])]), y, n)
     return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
 
 
-def tra_gcn(n, e, f, h, c, epochs):
+def tra_gcn(n, e, f, h, c, epochs, dtype):
     import pyarrow as pa
 
     import tra_sql
@@ -117,14 +117,14 @@ def tra_gcn(n, e, f, h, c, epochs):
         FROM links l JOIN degree a ON a.node = l.dst JOIN degree b ON b.node = l.src""", [n]).fetchall()
     db.con.register("_labels", pa.table({"node": np.arange(n), "label": labels}))
     db.con.execute("CREATE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
-    A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A_view", layout="csr", dtype="float32").store("A")
-    Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y_view", tile=(n, c), dtype="float32").store("Y")
-    x = db.from_numpy("X", X, tile=(n, f))
+    A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A_view", layout="csr", dtype=dtype).store("A")
+    Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y_view", tile=(n, c), dtype=dtype).store("Y")
+    x = db.from_numpy("X", X.astype(dtype), tile=(n, f))
     rng = np.random.default_rng(1)
-    p = {"W1": db.parameter("W1", init=rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h))),
-         "b1": db.parameter("b1", (h,), "zeros"),
-         "W2": db.parameter("W2", init=rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c))),
-         "b2": db.parameter("b2", (c,), "zeros")}
+    p = {"W1": db.parameter("W1", init=rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h)), dtype=dtype),
+         "b1": db.parameter("b1", (h,), "zeros", dtype=dtype),
+         "W2": db.parameter("W2", init=rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c)), dtype=dtype),
+         "b2": db.parameter("b2", (c,), "zeros", dtype=dtype)}
     hid = db.einsum("mh,h->mh", db.einsum("mn,nh->mh", A, db.einsum("nf,fh->nh", x, p["W1"])), p["b1"],
                     join="greatest(x0 + x1, 0)")
     z = db.einsum("mc,c->mc", db.einsum("mn,nc->mc", A, db.einsum("nh,hc->nc", hid, p["W2"])), p["b2"],
@@ -133,7 +133,7 @@ def tra_gcn(n, e, f, h, c, epochs):
     return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
 
 
-def tra_mf(users, items, count, k, epochs):
+def tra_mf(users, items, count, k, epochs, dtype):
     import mf
     import pyarrow as pa
 
@@ -144,22 +144,25 @@ def tra_mf(users, items, count, k, epochs):
     db = tra_sql.connect()
     db.con.register("_ratings", pa.table({"user": u, "item": i, "rating": r}))
     db.con.execute("CREATE TABLE synthetic AS FROM _ratings").fetchall()
-    sizes = mf.load(db, ratings_table="synthetic")
+    sizes = mf.load(db, ratings_table="synthetic", dtype=dtype)
     weights = mf.initial_weights(sizes["users"], sizes["items"], k, 0)
-    params = {name: db.parameter(f"mf_{name}", init=v) for name, v in weights.items()}
-    mean = db.from_numpy("mf_mean", np.array(sizes["mean"]))
+    params = {name: db.parameter(f"mf_{name}", init=v, dtype=dtype) for name, v in weights.items()}
+    mean = db.from_numpy("mf_mean", np.array(sizes["mean"], dtype))
     loss = mf.squared_error(db, params, mean, "train", 1 / sizes["train"])
     return epoch_seconds(db.train(loss, list(params.values()), Adam(lr=0.01), epochs + 1, run="bench",
                                   progress=False))
 
 
-def tra_ooc(n, f, h, batches, limit, epochs):
-    """An MLP regression in ``batches`` minibatches on data 4x ``memory_limit``, in a file."""
+def tra_ooc(n, f, h, batches, epochs, dtype):
+    """An MLP regression in ``batches`` minibatches, in a file whose ``memory_limit`` is a
+    quarter of the data."""
     import tra_sql
     from tra_sql import nn
     from tra_sql.optim import Adam
 
     with tempfile.TemporaryDirectory() as tmp:
+        data_mb = n * f * np.dtype(dtype).itemsize / 2**20
+        limit = f"{data_mb / 4:.0f}MB"
         db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), memory_limit=limit)
         db.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
         rng = np.random.default_rng(0)
@@ -167,10 +170,9 @@ def tra_ooc(n, f, h, batches, limit, epochs):
         per = n // batches
         for b in range(batches):
             X = rng.standard_normal((per, f))
-            db.from_numpy(f"X{b}", X, tile=(1024, f))
-            db.from_numpy(f"y{b}", np.tanh(X @ w_true / np.sqrt(f)), tile=(1024,))
-        data_mb = n * f * 8 / 2**20
-        p = {k: db.parameter(k, init=v) for k, v in mlp_weights(f, h, 1).items()}
+            db.from_numpy(f"X{b}", X.astype(dtype), tile=(1024, f))
+            db.from_numpy(f"y{b}", np.tanh(X @ w_true / np.sqrt(f)).astype(dtype), tile=(1024,))
+        p = {k: db.parameter(k, init=v, dtype=dtype) for k, v in mlp_weights(f, h, 1).items()}
 
         def loss(b):
             out = nn.mlp(db, db.tensor(f"X{b}"), [(p["W1"], p["b1"]), (p["W2"], p["b2"])])
@@ -183,12 +185,12 @@ def tra_ooc(n, f, h, batches, limit, epochs):
 
 
 # -- PyTorch workers ---------------------------------------------------------------------------
-def torch_mlp(n, f, h, c, epochs):
+def torch_mlp(n, f, h, c, epochs, dtype):
     import torch
 
     X, Y = mlp_data(n, f, c)
-    x, y = torch.tensor(X), torch.tensor(Y.argmax(1))
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in mlp_weights(f, h, c).items()}
+    x, y = torch.tensor(X.astype(dtype)), torch.tensor(Y.argmax(1))
+    p = {k: torch.tensor(v.astype(dtype), requires_grad=True) for k, v in mlp_weights(f, h, c).items()}
     opt = torch.optim.Adam(list(p.values()), lr=0.01)
 
     def step():
@@ -200,22 +202,22 @@ def torch_mlp(n, f, h, c, epochs):
     return timed_epochs(step, epochs)
 
 
-def torch_gcn(n, e, f, h, c, epochs):
+def torch_gcn(n, e, f, h, c, epochs, dtype):
     import torch
 
     src, dst, X, labels = graph_data(n, e, f, c)
     pairs = np.unique(np.concatenate([np.stack([dst, src], 1), np.stack([np.arange(n)] * 2, 1)]), axis=0)
     deg = np.bincount(pairs[:, 0], minlength=n)
     w = 1 / np.sqrt(deg[pairs[:, 0]] * deg[pairs[:, 1]])
-    A = torch.sparse_coo_tensor(torch.tensor(pairs.T), torch.tensor(w), (n, n)).coalesce()
-    x = torch.tensor(X)
+    A = torch.sparse_coo_tensor(torch.tensor(pairs.T), torch.tensor(w.astype(dtype)), (n, n)).coalesce()
+    x = torch.tensor(X.astype(dtype))
     train = torch.tensor(np.arange(n) % 10 == 0)
     y = torch.tensor(labels)
     rng = np.random.default_rng(1)
-    p = {"W1": torch.tensor(rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h)), requires_grad=True),
-         "b1": torch.zeros(h, dtype=torch.float64, requires_grad=True),
-         "W2": torch.tensor(rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c)), requires_grad=True),
-         "b2": torch.zeros(c, dtype=torch.float64, requires_grad=True)}
+    p = {"W1": torch.tensor((rng.uniform(-1, 1, (f, h)) * np.sqrt(6 / (f + h))).astype(dtype), requires_grad=True),
+         "b1": torch.zeros(h, dtype=getattr(torch, dtype), requires_grad=True),
+         "W2": torch.tensor((rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c))).astype(dtype), requires_grad=True),
+         "b2": torch.zeros(c, dtype=getattr(torch, dtype), requires_grad=True)}
     opt = torch.optim.Adam(list(p.values()), lr=0.01)
 
     def step():
@@ -228,7 +230,7 @@ def torch_gcn(n, e, f, h, c, epochs):
     return timed_epochs(step, epochs)
 
 
-def torch_mf(users, items, count, k, epochs):
+def torch_mf(users, items, count, k, epochs, dtype):
     import torch
 
     u, i, r = ratings_data(users, items, count, k)
@@ -240,10 +242,10 @@ def torch_mf(users, items, count, k, epochs):
     train = np.array(con.execute("SELECT hash(user, item, 'split') % 5 <> 0 FROM t").fetchall())[:, 0]
     rng = np.random.default_rng(0)
     P, Q = rng.normal(0, 0.1, (users, k)), rng.normal(0, 0.1, (items, k))
-    p = {"P": torch.tensor(P, requires_grad=True), "Q": torch.tensor(Q, requires_grad=True),
-         "bu": torch.zeros(users, dtype=torch.float64, requires_grad=True),
-         "bi": torch.zeros(items, dtype=torch.float64, requires_grad=True)}
-    ut, it, rt = torch.tensor(u[train]), torch.tensor(i[train]), torch.tensor(r[train])
+    p = {"P": torch.tensor(P.astype(dtype), requires_grad=True), "Q": torch.tensor(Q.astype(dtype), requires_grad=True),
+         "bu": torch.zeros(users, dtype=getattr(torch, dtype), requires_grad=True),
+         "bi": torch.zeros(items, dtype=getattr(torch, dtype), requires_grad=True)}
+    ut, it, rt = torch.tensor(u[train]), torch.tensor(i[train]), torch.tensor(r[train].astype(dtype))
     mean = float(r[train].mean())
     opt = torch.optim.Adam(list(p.values()), lr=0.01)
 
@@ -260,18 +262,19 @@ WORKERS = {("tra", "mlp"): tra_mlp, ("tra", "gcn"): tra_gcn, ("tra", "mf"): tra_
            ("torch", "mlp"): torch_mlp, ("torch", "gcn"): torch_gcn, ("torch", "mf"): torch_mf}
 
 
-def worker(framework: str, workload: str, size: str, epochs: int) -> None:
+def worker(framework: str, workload: str, size: str, epochs: int, dtype: str) -> None:
     if framework == "torch":
         import torch
         torch.set_num_threads(2)
-    out = WORKERS[(framework, workload)](*SIZES[size][workload], epochs)
+    out = WORKERS[(framework, workload)](*SIZES[size][workload], epochs, dtype)
     result = out if isinstance(out, dict) else {"epoch_s": out}
     result["peak_mb"] = peak_mb()
     print("RESULT " + json.dumps(result))
 
 
-def spawn(framework: str, workload: str, size: str, epochs: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", framework, workload, "--size", size, "--epochs", str(epochs)]
+def spawn(framework: str, workload: str, size: str, epochs: int, dtype: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", framework, workload, "--size", size, "--epochs", str(epochs),
+           "--dtype", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -294,13 +297,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=["mlp", "gcn", "mf", "ooc"])
+    parser.add_argument("--dtype", nargs="*", default=["float32", "float64"],
+                        help="run every workload in each (both frameworks alike; the out-of-core run in the first)")
     parser.add_argument("--write", action="store_true", help="replace the Training section of bench/RESULTS.md")
     parser.add_argument("--note", default="", help="a remark for RESULTS.md (e.g. the machine's load)")
     parser.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "WORKLOAD"))
     parser.add_argument("--size", default="full")
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, args.size, args.epochs)
+        worker(*args.worker, args.size, args.epochs, args.dtype[0])
         return
     from common import machine
 
@@ -310,17 +315,20 @@ def main() -> None:
     for workload, label in describe(size).items():
         if workload not in args.only:
             continue
-        ours, theirs = spawn("tra", workload, size, args.epochs), spawn("torch", workload, size, args.epochs)
-        if "error" in ours or "error" in theirs:
-            print(f"{label}: failed: {ours.get('error') or theirs.get('error')}")
-            continue
-        ratio = ours["epoch_s"] / theirs["epoch_s"]
-        rows.append(f"| {label} | {ours['epoch_s']:.3f} | {theirs['epoch_s']:.3f} | {ratio:.2f} | "
-                    f"{ours['peak_mb']:.0f} | {theirs['peak_mb']:.0f} |")
-        print(rows[-1])
+        for dtype in args.dtype:
+            ours = spawn("tra", workload, size, args.epochs, dtype)
+            theirs = spawn("torch", workload, size, args.epochs, dtype)
+            if "error" in ours or "error" in theirs:
+                print(f"{label}, {dtype}: failed: {ours.get('error') or theirs.get('error')}")
+                continue
+            ratio = ours["epoch_s"] / theirs["epoch_s"]
+            rows.append(f"| {label} | {dtype} | {ours['epoch_s']:.3f} | {theirs['epoch_s']:.3f} | {ratio:.2f} | "
+                        f"{ours['peak_mb']:.0f} | {theirs['peak_mb']:.0f} |")
+            print(rows[-1])
     ooc = None
     if "ooc" in args.only:
-        ooc = spawn("tra", "ooc", size, 1)  # a second epoch, timed after the first (which compiles)
+        ooc = spawn("tra", "ooc", size, 1, args.dtype[0])  # a second epoch, timed after the first (which compiles)
+        ooc["dtype"] = args.dtype[0]
         print("out-of-core:", ooc)
     if args.write:
         write_results(rows, ooc, size, args.note)
@@ -331,17 +339,18 @@ def write_results(rows: list[str], ooc: dict | None, size: str, note: str = "") 
 
     from common import machine
 
-    n, f, h, batches, limit = SIZES[size]["ooc"]
+    n, f, h, batches = SIZES[size]["ooc"]
     wrap = lambda text: textwrap.fill(text, 95)  # noqa: E731
     lines = ["## Training", "",
              wrap(f"`python bench/bench_training.py{' --quick' if size == 'quick' else ''}` "
                   f"({time.strftime('%Y-%m-%d')}, {machine()}). Seconds per epoch (full-batch forward, backward "
                   "and Adam step; the first epoch, which compiles, is not timed) and peak resident memory of the "
                   f"process, each framework in a subprocess of its own; ratio = tra_sql / PyTorch CPU. {note}"),
-             "", "| workload | tra_sql s/epoch | PyTorch s/epoch | ratio | tra_sql peak MB | PyTorch peak MB |",
-             "|---|---|---|---|---|---|", *rows, ""]
+             "", "| workload | dtype | tra_sql s/epoch | PyTorch s/epoch | ratio | tra_sql peak MB | PyTorch peak MB |",
+             "|---|---|---|---|---|---|---|", *rows, ""]
     if ooc and "error" not in ooc:
-        lines += [wrap(f"Out of core: an MLP ({f} -> {h} -> 1) trained in {batches} minibatches on "
+        limit = ooc["memory_limit"]
+        lines += [wrap(f"Out of core: an MLP ({f} -> {h} -> 1, {ooc['dtype']}) trained in {batches} minibatches on "
                        f"{ooc['data_mb']:.0f} MB of data in a database file with DuckDB `memory_limit` = {limit} "
                        f"(data {ooc['data_mb'] / _mb(limit):.1f}x the limit): {ooc['epoch_s']:.1f} s per epoch "
                        f"({ooc['first_epoch_s']:.1f} s for the first, which compiles every batch's program), "

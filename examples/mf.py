@@ -32,9 +32,11 @@ def data_file() -> str:
     return str(path)
 
 
-def load(db: tra_sql.Session, path: str | None = None, ratings_table: str | None = None) -> dict:
+def load(db: tra_sql.Session, path: str | None = None, ratings_table: str | None = None,
+         dtype: str = "float64") -> dict:
     """Table ``ratings(u, i, r, split)`` (from the file, or from ``ratings_table`` with columns
-    user, item, rating) and relations ``R_<split>`` (rating values) and ``M_<split>`` (1 per rating)."""
+    user, item, rating) and relations ``R_<split>`` (rating values) and ``M_<split>`` (1 per
+    rating) of ``dtype``."""
     con = db.con
     if ratings_table is None:
         con.execute(f"""CREATE OR REPLACE TABLE ml_file AS SELECT "user_id:token" AS user, "item_id:token" AS item,
@@ -52,9 +54,9 @@ def load(db: tra_sql.Session, path: str | None = None, ratings_table: str | None
         con.execute(f"CREATE OR REPLACE VIEW ratings_{split} AS SELECT u, i, r FROM ratings "
                     f"WHERE split = '{split}'").fetchall()
         db.relation(f"ratings_{split}", ("u", "i"), "r", (users, items), name=f"R_{split}", replace=True,
-                    layout="csr")
+                    layout="csr", dtype=dtype)
         db.relation(f"ratings_{split}", ("u", "i"), None, (users, items), name=f"M_{split}", replace=True,
-                    layout="csr")
+                    layout="csr", dtype=dtype)
         sizes[split] = con.execute(f"SELECT count(*) FROM ratings_{split}").fetchall()[0][0]
     return sizes
 
