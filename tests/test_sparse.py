@@ -110,6 +110,25 @@ def test_gradient_through_a_csr_product(db, rng):
     np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-9)
 
 
+def test_gradient_of_relu_over_a_csr_product_with_absent_tiles(db, rng):
+    """A GCN layer whose adjacency lacks a row block: the product and the ReLU have no tiles
+    there (inner-join semantics), and the backward, which reads the ReLU's output, none either."""
+    dense = edge_table(db, rng, (30, 30), 120)
+    db.con.execute("DELETE FROM edges WHERE dst BETWEEN 10 AND 19").fetchall()
+    dense[10:20] = 0
+    A = db.relation("edges", ("dst", "src"), "w", (30, 30), name="A", layout="csr", tile=(10, 30))
+    x, w, b = rng.standard_normal((30, 5)), rng.standard_normal((5, 4)), rng.standard_normal(4)
+    W, B = db.from_numpy("W", w), db.from_numpy("B", b)
+    pre = db.einsum("vu,uf,fg->vg", A, db.from_numpy("X", x), W)
+    H = db.einsum("vg,g->vg", pre, B, join="greatest(x0 + x1, 0)")
+    dW, dB = db.grad(db.einsum("vg->", H, join="x0 * x0"), [W, B])
+    present = np.repeat([1.0, 0.0, 1.0], 10)[:, None]
+    h = np.maximum(dense @ x @ w + b, 0) * present
+    np.testing.assert_allclose(H.numpy(), h, rtol=1e-12)
+    np.testing.assert_allclose(dW.numpy(), (dense @ x).T @ (2 * h), rtol=1e-9)
+    np.testing.assert_allclose(dB.numpy(), (2 * h).sum(0), rtol=1e-9)
+
+
 def test_gradient_of_a_sampled_product_exists_at_the_entries(db, rng):
     """A CSR operand the join does not read still restricts the gradient to its entries."""
     edge_table(db, rng, (8, 7), 20)

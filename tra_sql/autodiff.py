@@ -141,10 +141,12 @@ def _letters(n: int) -> str:
 
 
 # -- einsum -------------------------------------------------------------------------------
-def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expression, ctx: Context) -> Node | None:
+def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expression, ctx: Context,
+         within_output: bool = False) -> Node | None:
     """``Σ over the indices not in operand i`` of ``expr``, an expression over the ``lead``
     operands (``x0..``, the first being the output's gradient) followed by the forward
-    operands (``x<len(lead)+k>``)."""
+    operands (``x<len(lead)+k>``). ``within_output``: a lead operand is the forward output of
+    an element-wise ``node``, whose tiles lie where every operand has one."""
     if is_zero(expr):
         return None
     subs, target, o = node.spec.inputs, node.spec.inputs[i], node.spec.output
@@ -155,7 +157,8 @@ def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expressio
     # filter is redundant where the output's gradient lies within the output's tiles (the
     # forward join already kept only keys where every operand has a tile) and covers its indices.
     g_tight = (id(node), id(lead[0][1])) in ctx.tight
-    filters = [m >= len(lead) and (node.join is not None or m == len(lead) + i) and not ctx.dense(op)
+    filters = [not within_output and m >= len(lead) and (node.join is not None or m == len(lead) + i)
+               and not ctx.dense(op)
                and not (g_tight and set(sub) <= set(o)) for m, (sub, op) in enumerate(candidates)]
     keep = [f"x{m}" in used or f for m, f in enumerate(filters)]
     letters = set("".join(sub for (sub, _), k in zip(candidates, keep) if k))
@@ -177,7 +180,7 @@ def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expressio
             c = other
         out += c
     x_i = node.operands[i]
-    tight = keep[len(lead) + i] or (g_tight and set(target) <= set(o)) or ctx.dense(x_i)
+    tight = within_output or keep[len(lead) + i] or (g_tight and set(target) <= set(o)) or ctx.dense(x_i)
     if len(chosen) == 1 and chosen[0][0] == out and expr == exp.column("x0"):
         result = chosen[0][1]
     else:
@@ -244,7 +247,7 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
             else:
                 over_y = _over_output(node, J, D, ctx)
                 if over_y is not None:  # g·D(y): the backward reads the output, not the inputs
-                    part = _vjp(node, i, [(o, g), (o, node)], mul(exp.column("x0"), over_y), ctx)
+                    part = _vjp(node, i, [(o, g), (o, node)], mul(exp.column("x0"), over_y), ctx, True)
                 else:
                     part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
                 if sub == o and part is not None:
@@ -273,9 +276,10 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
 
 
 def _over_output(node: Einsum, J: exp.Expression, D: exp.Expression, ctx: Context) -> exp.Expression | None:
-    """``D`` over the output ``y = J`` (as ``x1``, after the gradient ``x0``) for a dense
-    element-wise einsum whose derivative can be written so (ReLU, tanh, sigmoid, exp)."""
-    if node.spec.aggregated or node.layout != "dense" or not ctx.dense(node) or not variables(D):
+    """``D`` over the output ``y = J`` (as ``x1``, after the gradient ``x0``) for an
+    element-wise einsum of dense tiles whose derivative can be written so (ReLU, tanh,
+    sigmoid, exp)."""
+    if node.spec.aggregated or any(n.layout != "dense" for n in (node, *node.operands)) or not variables(D):
         return None
     over_y = through_output(J, D, "_y")
     return None if over_y is None else rename(over_y, {"_y": "x1"})
