@@ -42,16 +42,19 @@ def peak_mb() -> float:
 
 
 def epoch_seconds(history) -> float:
-    """Mean logged epoch time of a tra_sql run, without its first epoch (compilation)."""
-    return float(np.mean(history.seconds[1:]))
+    """Median logged epoch time of a tra_sql run, without its first epoch (compilation)."""
+    return float(np.median(history.seconds[1:]))
 
 
 def timed_epochs(step, epochs: int) -> float:
+    """Median time of ``epochs`` calls of ``step`` after a warm-up call."""
     step()  # warm-up: compilation, plans
-    start = time.perf_counter()
+    times = []
     for _ in range(epochs):
+        start = time.perf_counter()
         step()
-    return (time.perf_counter() - start) / epochs
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -295,7 +298,7 @@ def describe(size: str) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5, help="timed epochs (the median is reported)")
     parser.add_argument("--only", nargs="*", default=["mlp", "gcn", "mf", "ooc"])
     parser.add_argument("--dtype", nargs="*", default=["float32", "float64"],
                         help="run every workload in each (both frameworks alike; the out-of-core run in the first)")
@@ -331,10 +334,10 @@ def main() -> None:
         ooc["dtype"] = args.dtype[0]
         print("out-of-core:", ooc)
     if args.write:
-        write_results(rows, ooc, size, args.note)
+        write_results(rows, ooc, size, args.epochs, args.note)
 
 
-def write_results(rows: list[str], ooc: dict | None, size: str, note: str = "") -> None:
+def write_results(rows: list[str], ooc: dict | None, size: str, epochs: int, note: str = "") -> None:
     import textwrap
 
     from common import machine
@@ -343,8 +346,9 @@ def write_results(rows: list[str], ooc: dict | None, size: str, note: str = "") 
     wrap = lambda text: textwrap.fill(text, 95)  # noqa: E731
     lines = ["## Training", "",
              wrap(f"`python bench/bench_training.py{' --quick' if size == 'quick' else ''}` "
-                  f"({time.strftime('%Y-%m-%d')}, {machine()}). Seconds per epoch (full-batch forward, backward "
-                  "and Adam step; the first epoch, which compiles, is not timed) and peak resident memory of the "
+                  f"({time.strftime('%Y-%m-%d')}, {machine()}). Median seconds per epoch of {epochs} (full-batch "
+                  "forward, backward and Adam step; the first epoch, which compiles, is not timed) and peak resident "
+                  "memory of the "
                   f"process, each framework in a subprocess of its own; ratio = tra_sql / PyTorch CPU. {note}"),
              "", "| workload | dtype | tra_sql s/epoch | PyTorch s/epoch | ratio | tra_sql peak MB | PyTorch peak MB |",
              "|---|---|---|---|---|---|---|", *rows, ""]

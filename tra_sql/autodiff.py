@@ -32,8 +32,7 @@ import numpy as np
 from sqlglot import exp
 
 from tra_sql import graph
-from tra_sql.derivative import (diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql,
-                                 variables)
+from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql, variables
 from tra_sql.errors import DTypeError, ShapeError
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
