@@ -365,7 +365,7 @@ def write_results(rows: list[str], ooc: dict | None, size: str, epochs: int, not
     start = text.find("## Training")
     if start >= 0:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + "\n".join(lines) + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1:] if end >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
     path.write_text(text)
