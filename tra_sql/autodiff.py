@@ -244,7 +244,7 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
             if shared is not None:
                 part = graph.einsum(f"{o}->{sub}", [shared], [f"d{node.label}"])
             else:
-                over_y = _over_output(node, J, D, ctx)
+                over_y = _over_output(node, J, D)
                 if over_y is not None:  # g·D(y): the backward reads the output, not the inputs
                     part = _vjp(node, i, [(o, g), (o, node)], mul(exp.column("x0"), over_y), ctx, True)
                 else:
@@ -274,7 +274,7 @@ def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
             yield op, part
 
 
-def _over_output(node: Einsum, J: exp.Expression, D: exp.Expression, ctx: Context) -> exp.Expression | None:
+def _over_output(node: Einsum, J: exp.Expression, D: exp.Expression) -> exp.Expression | None:
     """``D`` over the output ``y = J`` (as ``x1``, after the gradient ``x0``) for an
     element-wise einsum of dense tiles whose derivative can be written so (ReLU, tanh,
     sigmoid, exp)."""
