@@ -228,9 +228,13 @@ def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     assert duck.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
     with pytest.raises(tra_sql.TensorExistsError):
         transfer.copy(sdb, duck, "cG")
-    duck.relation("edges", ("dst", "src"), "w", (100, 10), name="cS", layout="csr")
-    with pytest.raises(tra_sql.SpecError, match="dense tiles only"):
-        transfer.copy(duck, sdb, "cS")
+    sparse = duck.relation("edges", ("dst", "src"), "w", (100, 10), name="cS", layout="csr", tile=(40, 10))
+    transfer.copy(duck, sdb, "cS", replace=True)  # CSR tiles keep their layout both ways
+    assert sdb.tensor("cS").node.layout == "csr"
+    np.testing.assert_array_equal(sdb.tensor("cS").numpy(), sparse.numpy())
+    transfer.copy(sdb, duck, "cS", to="cS2")
+    assert duck.tensor("cS2").node.layout == "csr"
+    np.testing.assert_array_equal(duck.tensor("cS2").numpy(), sparse.numpy())
 
 
 def test_relation_and_sparse_gradient(sdb, duck):
@@ -254,9 +258,18 @@ def test_relation_and_sparse_gradient(sdb, duck):
         h = db.einsum("mn,nf,fh->mh", a, db.from_numpy("rX", x, tile=(4, 5), replace=True), weight)
         grads.append(db.grad(db.einsum("mh,mh->", h, h), weight).numpy())
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
-    with pytest.raises(tra_sql.SpecError, match="dense"):
-        sdb.relation("redges", ("dst", "src"), "w", (12, 12), name="rC", layout="csr")
     np.testing.assert_allclose(grads[0], 2 * (adjacency @ x).T @ (adjacency @ x @ w0), rtol=1e-10)
+    # a CSR relation on Spark: a ReLU layer over it, its gradient at W and at the entries
+    c = sdb.relation("redges", ("dst", "src"), "w", (12, 12), name="rC", layout="csr", tile=(5, 12), replace=True)
+    assert c.node.layout == "csr"
+    weight = sdb.tensor("rW")
+    h = sdb.einsum("mh,h->mh", sdb.einsum("mn,nf,fh->mh", c, sdb.tensor("rX"), weight),
+                   sdb.from_numpy("rb", np.full(4, 0.1), replace=True), join="greatest(x0 + x1, 0)")
+    g_w, g_c = sdb.grad(sdb.einsum("mh,mh->", h, h), [weight, c])
+    pre = adjacency @ x @ w0 + 0.1
+    dpre = 2 * np.maximum(pre, 0) * (pre > 0)
+    np.testing.assert_allclose(g_w.numpy(), (adjacency @ x).T @ dpre, rtol=1e-10)
+    np.testing.assert_allclose(g_c.numpy(), (dpre @ (x @ w0).T) * (adjacency != 0), rtol=1e-10)
 
 
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------

@@ -89,6 +89,17 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
     return select.group_by(*[b.copy() for b in blocks])
 
 
+def relation_tile(name: str, shape: tuple[int, ...], layout: str, tile) -> tuple[int, ...]:
+    """The tile shape of relation ``name`` in ``layout`` (checked): ``tile``, by default one
+    element per tile (``dense``) or the whole matrix (``csr``, which needs two dimensions)."""
+    if layout not in LAYOUTS:
+        raise SpecError(f"relation {name!r}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "csr" and len(shape) != 2:
+        raise ShapeError(f"relation {name!r}: a csr layout needs two key columns (a matrix), not {len(shape)}")
+    default = shape if layout == "csr" else (1,) * len(shape)
+    return catalog.check_tile(shape, default if tile is None else tile, name)
+
+
 def relation(db: Session, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
              dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
              layout: str = "dense") -> Tensor:
@@ -107,12 +118,7 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     shape = _shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
     if len(shape) != len(keys):
         raise ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
-    if layout not in LAYOUTS:
-        raise SpecError(f"relation {name!r}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    if layout == "csr" and len(keys) != 2:
-        raise ShapeError(f"relation {name!r}: a csr layout needs two key columns (a matrix), not {len(keys)}")
-    default = shape if layout == "csr" else (1,) * len(shape)
-    tile = catalog.check_tile(shape, default if tile is None else tile, name)
+    tile = relation_tile(name, shape, layout, tile)
     select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
     ensure_udfs(db)
     con = db.con

@@ -174,7 +174,7 @@ class SparkTraSession(Session):
     def tensor(self, name: str) -> Tensor:
         """The stored tensor relation ``name``."""
         info = self.warehouse.lookup(name)
-        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name))
+        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name, info.layout))
 
     def tensors(self) -> list[str]:
         return self.warehouse.tensors()
@@ -195,10 +195,7 @@ class SparkTraSession(Session):
                  dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
                  layout: str = "dense") -> Tensor:
         """``tra_sql.relations.relation`` on Spark: the tensor relation of Spark table ``table``,
-        written as a tensor table (a copy: later changes to ``table`` do not show); dense
-        tiles only."""
-        if layout != "dense":
-            raise errors.SpecError(f"relation layout {layout!r}: Spark sessions store dense tiles only")
+        written as a tensor table (a copy: later changes to ``table`` do not show)."""
         keys = (keys,) if isinstance(keys, str) else tuple(keys)
         dtype = catalog.check_dtype(dtype)
         name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
@@ -213,13 +210,13 @@ class SparkTraSession(Session):
         shape = tuple(int(n) for n in shape)
         if len(shape) != len(keys):
             raise errors.ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
-        tile = catalog.check_tile(shape, (1,) * len(shape) if tile is None else tile, name)
-        select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates)
+        tile = relations.relation_tile(name, shape, layout, tile)
+        select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
         udfs = {c.name.lower() for c in select.find_all(exp.Anonymous)}
         self.ensure_udfs(udfs)
         frame = self.sql(select.sql(dialect="spark"))
-        self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), TensorInfo(name, dtype, shape, tile),
-                              replace)
+        self.warehouse.create(name, lambda d: frame.write.parquet(str(d)),
+                              TensorInfo(name, dtype, shape, tile, layout), replace)
         return self.tensor(name)
 
     # -- running ------------------------------------------------------------------------
@@ -253,7 +250,7 @@ class SparkTraSession(Session):
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
         frame = self.frame(tensor.program())
-        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile)
+        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
         try:
             self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
         except TraError:

@@ -17,7 +17,7 @@ import duckdb
 from tra_sql import catalog
 from tra_sql.backends.warehouse import ROW_GROUP_BYTES, literal, quote
 from tra_sql.catalog import TensorInfo
-from tra_sql.errors import ExecutionError, SpecError, TensorExistsError, TraError, UnknownTensorError
+from tra_sql.errors import ExecutionError, TensorExistsError, TraError, UnknownTensorError
 
 
 def engine(session) -> str:
@@ -66,11 +66,9 @@ def _duckdb_to_spark(src, dst, name: str, to: str, replace: bool) -> None:
         raise UnknownTensorError(f"no table named '{name}' in the DuckDB database")
     rows = ""
     if info is not None:
-        if info.layout != "dense":
-            raise SpecError(f"'{name}' is stored {info.layout}: the Spark warehouse holds dense tiles only")
         tile_bytes = prod(info.tile) * info.dtype.itemsize
         rows = f", ROW_GROUP_SIZE {max(1, ROW_GROUP_BYTES // tile_bytes)}"
-        info = TensorInfo(to, info.dtype, info.shape, info.tile)
+        info = TensorInfo(to, info.dtype, info.shape, info.tile, info.layout)
 
     def write(directory: Path) -> None:
         directory.mkdir(parents=True)
@@ -107,7 +105,8 @@ def _spark_to_duckdb(src, dst, name: str, to: str, replace: bool) -> None:
 def _duckdb_create(dst, to: str, info: TensorInfo | None, select: str, replace: bool) -> None:
     try:
         if info is not None:
-            catalog.create_tensor_table(dst.con, TensorInfo(to, info.dtype, info.shape, info.tile), select, replace)
+            catalog.create_tensor_table(dst.con, TensorInfo(to, info.dtype, info.shape, info.tile, info.layout),
+                                        select, replace)
             return
         if catalog.table_exists(dst.con, to):
             if not replace:

@@ -2,7 +2,7 @@
 
 Layout (every name lower-cased, since SQL names are case-insensitive)::
 
-    <root>/tra_tensors/<name>.parquet   the catalog: one row (name, dtype, shape, tile_shape)
+    <root>/tra_tensors/<name>.parquet   the catalog: one row (name, dtype, shape, tile_shape, layout)
     <root>/<name>/*.parquet             a tile relation (k0.. INT, tile BINARY) or a plain table
     <root>/_staging/<uuid>/             writes in flight; published by a directory rename
 
@@ -29,7 +29,8 @@ from tra_sql.catalog import CATALOG_TABLE, TensorInfo
 from tra_sql.errors import TensorExistsError, UnknownTensorError
 
 CATALOG_SCHEMA = pa.schema([("name", pa.string()), ("dtype", pa.string()),
-                            ("shape", pa.list_(pa.int64())), ("tile_shape", pa.list_(pa.int64()))])
+                            ("shape", pa.list_(pa.int64())), ("tile_shape", pa.list_(pa.int64())),
+                            ("layout", pa.string())])  # absent (dense) in warehouses written before it
 ROW_GROUP_BYTES = 32 << 20  # Parquet row groups of about this size: Spark's unit of parallel reads
 
 
@@ -72,7 +73,8 @@ class Warehouse:
                        f"LOCATION {literal(str(self.path(name)))}")
 
     def attach_all(self) -> None:
-        self.attach(CATALOG_TABLE, "(name STRING, dtype STRING, shape ARRAY<BIGINT>, tile_shape ARRAY<BIGINT>)")
+        self.attach(CATALOG_TABLE, "(name STRING, dtype STRING, shape ARRAY<BIGINT>, tile_shape ARRAY<BIGINT>, "
+                                   "layout STRING)")
         for entry in sorted(self.root.iterdir()):
             if entry.is_dir() and entry.name[0] not in "_." and any(entry.glob("*.parquet")):
                 self.attach(entry.name)
@@ -88,7 +90,8 @@ class Warehouse:
     def lookup(self, name: str) -> TensorInfo:
         for row in self.rows():
             if row["name"].lower() == name.lower():
-                return TensorInfo(row["name"], np.dtype(row["dtype"]), tuple(row["shape"]), tuple(row["tile_shape"]))
+                return TensorInfo(row["name"], np.dtype(row["dtype"]), tuple(row["shape"]), tuple(row["tile_shape"]),
+                                  row["layout"] or "dense")
         raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
 
     def tensors(self) -> list[str]:
@@ -126,7 +129,7 @@ class Warehouse:
             keys = ", ".join(f"k{d} INT" for d in range(len(info.shape)))
             self.attach(name, f"({keys}{', ' if keys else ''}tile BINARY)")
             row = {"name": [info.name], "dtype": [info.dtype.name], "shape": [list(info.shape)],
-                   "tile_shape": [list(info.tile)]}
+                   "tile_shape": [list(info.tile)], "layout": [info.layout]}
             pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), self._catalog_file(name))
         else:
             self.attach(name)
