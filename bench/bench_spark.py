@@ -115,8 +115,11 @@ def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[f
         c = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=block_size), db.from_numpy("B", b, tile=block_size))
         store = median_time(lambda: c.store("C", replace=True), repeat)
         check(db.tensor("C").numpy(plan=False), reference, "tra_sql on Spark")
-        compute = median_time(lambda: db.frame(c.program()).write.format("noop").mode("overwrite").save(), repeat,
-                              warmup=0)
+        def compute_only():
+            with db.frame(c.program()) as frame:
+                frame.write.format("noop").mode("overwrite").save()
+
+        compute = median_time(compute_only, repeat, warmup=0)
         print(f"tra_sql Spark: store {store:.2f} s, compute only {compute:.2f} s", flush=True)
         sc, n = db.spark.sparkContext, a.shape[0]
         ma, mb = mllib_operand(db, "A", n, block_size), mllib_operand(db, "B", n, block_size)
@@ -146,11 +149,11 @@ def gcn_data(n: int, e: int, f: int, c: int):
 
 def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> tuple[float, list[float], np.ndarray]:
     """Two epochs of a 2-layer GCN with Adam (tables ``adj`` and ``labels`` in ``db``; the
-    adjacency in dense blocks of ``block``²): the second epoch's seconds, both losses, and W1."""
+    adjacency in CSR blocks of ``block``²): the second epoch's seconds, both losses, and W1."""
     from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
-    a = db.relation("adj", ("dst", "src"), "w", (n, n), name="gA", tile=(block, block), replace=True)
+    a = db.relation("adj", ("dst", "src"), "w", (n, n), name="gA", tile=(block, block), layout="csr", replace=True)
     y = db.relation("labels", ("node", "label"), None, (n, c), name="gY", tile=(block, c), replace=True)
     xt = db.from_numpy("gX", x, tile=(block, f), replace=True)
     rng = np.random.default_rng(1)
@@ -263,7 +266,7 @@ def main() -> None:
     if "gcn" in args.only:
         n, e, f, h, c = args.gcn
         print(f"\nGCN epoch: {n} nodes, {e} random edges + self loops, {f} features, hidden {h}, {c} classes, "
-              f"float64, adjacency in dense {args.block}² tiles (MLlib: sparse blocks); tra_sql: the second "
+              f"float64, adjacency in CSR {args.block}² tiles (MLlib: sparse blocks); tra_sql: the second "
               f"epoch's time (forward, backward, Adam step); MLlib: median of {args.repeat} after a warm-up",
               flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:

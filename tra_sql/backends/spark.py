@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from sqlglot import exp
 
 from tra_sql import catalog, errors, graph, relations
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import GROUP_BYTES, spark_query
+from tra_sql.backends.spark_sql import GROUP_BYTES, Steps, spark_steps
 from tra_sql.backends.warehouse import Warehouse, quote, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.decompose.cost import Constants
@@ -228,35 +229,52 @@ class SparkTraSession(Session):
 
     def sql_text(self, program: Program) -> str:
         """The Spark SQL this session runs for ``program`` (see ``spark_sql``)."""
-        return spark_query(program, self.group_bytes)[0]
+        return spark_steps(program, self.group_bytes).text()
+
+    @contextmanager
+    def steps(self, steps: Steps, what: str):
+        """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
+        temporary view; one read more than once is a lazy local checkpoint (computed once,
+        when first read, and kept by the executors; a cached plan would instead carry its
+        whole lineage into every plan that reads it). The views are dropped on exit."""
+        self.ensure_udfs(steps.udfs)
+        try:
+            try:
+                for name, sql, reads in steps.views:
+                    frame = self.spark.sql(sql)
+                    if reads > 1:
+                        frame = frame.localCheckpoint(eager=False)
+                    frame.createOrReplaceTempView(name)
+                final = self.spark.sql(steps.final)
+            except Exception as err:
+                raise spark_udfs.translate(err, f"planning {what}") from None
+            yield final
+        finally:
+            for name, _, _ in steps.views:
+                self.spark.catalog.dropTempView(name)
 
     def frame(self, program: Program):
-        """``program`` as a (lazy) Spark DataFrame with columns ``k0..`` (INT) and ``tile``."""
-        text, udfs = spark_query(program, self.group_bytes)
-        self.ensure_udfs(udfs)
-        keys = [f"CAST(k{d} AS INT) AS k{d}" for d in range(len(program.root.shape))]
-        try:
-            return self.spark.sql(text).selectExpr(*keys, "tile")
-        except Exception as err:
-            raise spark_udfs.translate(err, f"planning {program.root.label}") from None
+        """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
+        (INT) and ``tile``, valid inside the ``with`` block."""
+        return self.steps(spark_steps(program, self.group_bytes), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""
-        frame = self.frame(program)
-        try:
-            return frame.toArrow()
-        except Exception as err:
-            raise spark_udfs.translate(err, f"computing {program.root.label}") from None
+        with self.frame(program) as frame:
+            try:
+                return frame.toArrow()
+            except Exception as err:
+                raise spark_udfs.translate(err, f"computing {program.root.label}") from None
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
-        frame = self.frame(tensor.program())
         info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        try:
-            self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
-        except TraError:
-            raise
-        except Exception as err:
-            raise spark_udfs.translate(err, f"storing '{name}'") from None
+        with self.frame(tensor.program()) as frame:
+            try:
+                self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
+            except TraError:
+                raise
+            except Exception as err:
+                raise spark_udfs.translate(err, f"storing '{name}'") from None
         return self.tensor(name)
 
     def train(self, loss, params, optimizer, epochs: int, **options):

@@ -25,7 +25,8 @@ def _seconds(db, tensor) -> float:
     """The fastest of two runs after a warm-up."""
     def run():
         start = time.perf_counter()
-        db.frame(tensor.program()).write.format("noop").mode("overwrite").save()
+        with db.frame(tensor.program()) as frame:
+            frame.write.format("noop").mode("overwrite").save()
         return time.perf_counter() - start
 
     run()

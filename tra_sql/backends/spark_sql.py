@@ -1,5 +1,11 @@
-"""A program's SQL for Spark: the shared sqlglot query, plain CTEs, Spark's dialect, and one
+"""A program's SQL for Spark: the shared sqlglot query in Spark's dialect, as steps, and one
 rewrite for memory.
+
+Spark inlines a CTE wherever it is read, so a training step's ~40 CTEs, shared between the
+forward pass, the gradients and the optimizer, expanded into a plan ~30 times the program
+(one GCN step: 1437 Python UDF evaluations for 49 calls in the text). ``spark_steps`` makes
+every CTE a temporary view instead; the session caches the views read more than once, so
+each step runs once per query.
 
 A fused join + aggregate step, ``tra_einsum_agg_<n>(meta, keys, ARRAY_AGG(STRUCT(...)))``,
 and an aggregate of per-row partial results, ``tra_reduce(meta, keys, ARRAY_AGG(tile))``,
@@ -16,6 +22,9 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
+from collections import Counter
+from dataclasses import dataclass
 from math import ceil, prod
 
 import numpy as np
@@ -65,20 +74,57 @@ def ungroup(call: exp.Anonymous, limit: int) -> exp.Expression:
     return exp.Anonymous(this=f"tra_einsum_group_{match.group(1)}", expressions=[meta.copy(), keys.copy(), *fields])
 
 
-def spark_query(program: Program, limit: int = GROUP_BYTES) -> tuple[str, set[str]]:
-    """The Spark SQL text of ``program`` and the tile UDFs it calls."""
-    return _render(program.query(materialized=False), limit)
+@dataclass
+class Steps:
+    """A query as Spark runs it: temporary ``views`` in order (name, SQL, how many later
+    steps read it), then the ``final`` SQL over them; and the tile UDFs they call."""
+
+    views: list[tuple[str, str, int]]
+    final: str
+    udfs: set[str]
+
+    def text(self) -> str:
+        """All of it as one script, for reading."""
+        return "".join(f"CREATE TEMPORARY VIEW {name} AS {sql};\n" for name, sql, _ in self.views) + self.final
 
 
-def spark_union_query(program: Program, results: dict, limit: int = GROUP_BYTES) -> tuple[str, set[str]]:
-    """``Program.union_query(results)`` for Spark (plain CTEs, INT keys): the rows
-    ``target, k0, ..., tile`` of several results in one query, and the UDFs it calls."""
-    query = program.union_query(results)
-    for cte in query.find_all(exp.CTE):
-        cte.set("materialized", None)
+def spark_steps(program: Program, limit: int = GROUP_BYTES) -> Steps:
+    """``program`` as steps (see ``Steps``) whose final query returns ``k0.. (INT), tile``."""
+    query = program.query(materialized=False)
+    keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(len(program.root.shape))]
+    return _steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")), limit)
+
+
+def spark_union_steps(program: Program, results: dict, limit: int = GROUP_BYTES) -> Steps:
+    """``Program.union_query(results)`` as steps: the final query returns the rows
+    ``target, k0, ..., tile`` (INT keys) of several results."""
     rank = max((len(node.shape) for node in results.values()), default=0)
     keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
-    return _render(exp.select("target", *keys, "tile").from_(query.subquery("u")), limit)
+    return _steps(program.union_query(results),
+                  lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), limit)
+
+
+def _steps(query: exp.Expression, finish, limit: int) -> Steps:
+    """``query``'s CTEs as views named uniquely (the same program may run twice at once)."""
+    key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
+    ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
+    body = query.copy()
+    body.set(key, None)
+    prefix = f"_tra_{uuid.uuid4().hex[:12]}"
+    names = {name: f"{prefix}{name}" for name, _ in ctes}
+
+    def renamed(select: exp.Expression) -> exp.Expression:
+        select = select.copy()
+        for table in select.find_all(exp.Table):
+            if table.name in names and not table.db:
+                table.set("this", exp.to_identifier(names[table.name], quoted=True))
+        return select
+
+    parts = [renamed(select) for _, select in ctes] + [renamed(finish(body))]
+    reads = Counter(table.name for part in parts for table in part.find_all(exp.Table))
+    rendered = [_render(part, limit) for part in parts]
+    views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(ctes, rendered)]
+    return Steps(views, rendered[-1][0], set().union(*(udfs for _, udfs in rendered)))
 
 
 def _render(query: exp.Expression, limit: int) -> tuple[str, set[str]]:

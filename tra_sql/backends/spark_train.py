@@ -1,9 +1,10 @@
 """Training on Spark: ``tra_sql.train``'s steps with the warehouse for tables.
 
 A step computes the roots of the same ``train.Plan`` as on DuckDB (the loss, the optimizer's
-new weights and state) in one Spark job: one query of every root's rows
-(``spark_sql.spark_union_query``; Spark reuses the shuffles that roots share) written with
-``partitionBy("target")`` to ``<warehouse>/_staging/_tra_<run>_b<batch>/target=<root>/``.
+new weights and state) in one write: one query of every root's rows over the step's views
+(``spark_sql.spark_union_steps``; the views that several steps read are cached, so shared
+nodes run once) written with ``partitionBy("target")`` to
+``<warehouse>/_staging/_tra_<run>_b<batch>/target=<root>/``.
 Committing the step publishes those directories as the parameter and state tables (a rename
 each), then rewrites the run row (table ``tra_runs``) and, at the end of an epoch, the log
 (``tra_run_log``): ``train`` with the same ``run`` resumes from the last committed step.
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import spark_union_query
+from tra_sql.backends.spark_sql import Steps, spark_union_steps
 from tra_sql.backends.warehouse import write_parquet
 from tra_sql.optim import Optimizer
 from tra_sql.sqlgen import Program
@@ -56,7 +57,7 @@ class SparkTrainer(core.Trainer):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.queries: dict[int, tuple[str, set[str]]] = {}
+        self.queries: dict[int, Steps] = {}
 
     def staging(self, batch: int):
         return self.db.warehouse.root / "_staging" / f"_tra_{self.run}_b{batch}"
@@ -72,16 +73,15 @@ class SparkTrainer(core.Trainer):
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
         if batch not in self.queries:
-            self.queries[batch] = spark_union_query(Program.compile(*p.nodes.values()), p.nodes, self.db.group_bytes)
-        text, udfs = self.queries[batch]
+            self.queries[batch] = spark_union_steps(Program.compile(*p.nodes.values()), p.nodes, self.db.group_bytes)
         self.set_scalars(step)
-        self.db.ensure_udfs(udfs)
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)
-        try:
-            self.db.spark.sql(text).write.partitionBy("target").parquet(str(staging))
-        except Exception as err:
-            raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from None
+        with self.db.steps(self.queries[batch], f"step {step} of run '{self.run}'") as frame:
+            try:
+                frame.write.partitionBy("target").parquet(str(staging))
+            except Exception as err:
+                raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from err
         loss = staging / "target=loss"
         tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
