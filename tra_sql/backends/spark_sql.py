@@ -4,8 +4,8 @@ rewrite for memory.
 Spark inlines a CTE wherever it is read, so a training step's ~40 CTEs, shared between the
 forward pass, the gradients and the optimizer, expanded into a plan ~30 times the program
 (one GCN step: 1437 Python UDF evaluations for 49 calls in the text). ``spark_steps`` makes
-every CTE a temporary view instead; the session caches the views read more than once, so
-each step runs once per query.
+every CTE a temporary view instead; the session makes the views read more than once local
+checkpoints, so each step runs once per query.
 
 A fused join + aggregate step, ``tra_einsum_agg_<n>(meta, keys, ARRAY_AGG(STRUCT(...)))``,
 and an aggregate of per-row partial results, ``tra_reduce(meta, keys, ARRAY_AGG(tile))``,

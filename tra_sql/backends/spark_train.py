@@ -2,8 +2,8 @@
 
 A step computes the roots of the same ``train.Plan`` as on DuckDB (the loss, the optimizer's
 new weights and state) in one write: one query of every root's rows over the step's views
-(``spark_sql.spark_union_steps``; the views that several steps read are cached, so shared
-nodes run once) written with ``partitionBy("target")`` to
+(``spark_sql.spark_union_steps``; the views that several steps read are local checkpoints,
+so shared nodes run once) written with ``partitionBy("target")`` to
 ``<warehouse>/_staging/_tra_<run>_b<batch>/target=<root>/``.
 Committing the step publishes those directories as the parameter and state tables (a rename
 each), then rewrites the run row (table ``tra_runs``) and, at the end of an epoch, the log
@@ -81,7 +81,7 @@ class SparkTrainer(core.Trainer):
             try:
                 frame.write.partitionBy("target").parquet(str(staging))
             except Exception as err:
-                raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from err
+                raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from None
         loss = staging / "target=loss"
         tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
