@@ -167,6 +167,23 @@ def test_spark_sql_text(sdb):
     assert "AS MATERIALIZED" in t["A"].retile((10, 7)).reshape(37 * 29).sql("duckdb")
 
 
+def test_shared_steps_run_once_and_leave_nothing(sdb):
+    """Every step is a temporary view; one read twice is a local checkpoint, so its UDF runs
+    once in the plan. Views and checkpoint blocks are gone afterwards."""
+    a = np.arange(12.0).reshape(3, 4)
+    shared = sdb.einsum("ij,kj->ik", sdb.from_numpy("vA", a, replace=True), "vA")
+    out = sdb.einsum("ik,ik->ik", shared, sdb.einsum("ij->ij", shared, join="x0 + 1"), join="x0 * x1")
+    text = sdb.sql_text(out.program())
+    assert text.count("CREATE TEMPORARY VIEW") == 2
+    with sdb.frame(out.program()) as frame:  # the product runs in its checkpoint, read twice; 2 steps read it
+        plan = frame._jdf.queryExecution().executedPlan().toString()
+        assert plan.count("Scan ExistingRDD") == 2 and plan.count("ArrowEvalPython") == 2
+    g = a @ a.T
+    np.testing.assert_allclose(out.numpy(), g * (g + 1))
+    assert not [t for t in sdb.spark.catalog.listTables() if t.isTemporary]
+    assert sdb.spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0
+
+
 def test_store_catalog_and_drop(sdb):
     t = load(sdb, "s")
     c = sdb.einsum("ij,jk->ik", t["A"], t["B"]).store("sC", replace=True)

@@ -236,14 +236,17 @@ class SparkTraSession(Session):
         """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
         when first read, and kept by the executors; a cached plan would instead carry its
-        whole lineage into every plan that reads it). The views are dropped on exit."""
+        whole lineage into every plan that reads it). On exit the views are dropped and the
+        checkpoints' blocks freed."""
         self.ensure_udfs(steps.udfs)
+        checkpoints = []
         try:
             try:
                 for name, sql, reads in steps.views:
                     frame = self.spark.sql(sql)
                     if reads > 1:
                         frame = frame.localCheckpoint(eager=False)
+                        checkpoints.append(frame._jdf.queryExecution().logical().rdd())
                     frame.createOrReplaceTempView(name)
                 final = self.spark.sql(steps.final)
             except Exception as err:
@@ -252,6 +255,8 @@ class SparkTraSession(Session):
         finally:
             for name, _, _ in steps.views:
                 self.spark.catalog.dropTempView(name)
+            for rdd in checkpoints:
+                rdd.unpersist(False)
 
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
