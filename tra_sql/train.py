@@ -344,7 +344,6 @@ class Trainer:
         self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
                              for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
         self.plans: dict[int, Plan] = {}
-        self.staged_only: set[int] = set()  # batches whose fused query ran out of memory
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
         self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
 
@@ -374,10 +373,12 @@ class Trainer:
                 for key, value in new.items():
                     target = name if key == "param" else f"{self.run}__{key}__{name}"
                     roots[target] = graph.retile(value.node, w.tile)
-            prefix = f"_tra_{self.run}" + (f"_b{batch}" if self.batches > 1 else "")
-            fuse = 0 if batch in self.staged_only else self.fuse_bytes()
-            self.plans[batch] = plan(roots, prefix, self.views(), fuse)
+            self.plans[batch] = plan(roots, self.prefix(batch), self.views(), self.fuse_bytes())
         return self.plans[batch]
+
+    def prefix(self, batch: int) -> str:
+        """How batch ``batch``'s staging tables begin."""
+        return f"_tra_{self.run}" + (f"_b{batch}" if self.batches > 1 else "")
 
     def fuse_bytes(self) -> float:
         """Up to how many bytes of intermediates a step runs as one query: half of DuckDB's
@@ -407,10 +408,8 @@ class Trainer:
         self.set_scalars(step)
         try:
             rows = execute(self.db, p, prologue=batch not in self.snapshots)
-        except FusedOutOfMemory:  # stage it in tables, which spill, from now on
-            self.staged_only.add(batch)
-            del self.plans[batch]
-            p = self.plan(batch)
+        except FusedOutOfMemory:  # the same roots staged in tables, which spill, from now on
+            p = self.plans[batch] = plan(p.nodes, self.prefix(batch), self.views(), fuse_bytes=0)
             rows = execute(self.db, p)
         self.snapshots.add(batch)
         if rows is None:

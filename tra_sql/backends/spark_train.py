@@ -4,7 +4,7 @@ A step computes the roots of the same ``train.Plan`` as on DuckDB (the loss, the
 new weights and state) in one write: one query of every root's rows over the step's views
 (``spark_sql.spark_union_steps``; the views that several steps read are local checkpoints,
 so shared nodes run once) written with ``partitionBy("target")`` to
-``<warehouse>/_staging/_tra_<run>_b<batch>/target=<root>/``.
+``<warehouse>/_staging/<Trainer.prefix>/target=<root>/``.
 Committing the step publishes those directories as the parameter and state tables (a rename
 each), then rewrites the run row (table ``tra_runs``) and, at the end of an epoch, the log
 (``tra_run_log``): ``train`` with the same ``run`` resumes from the last committed step.
@@ -60,7 +60,7 @@ class SparkTrainer(core.Trainer):
         self.queries: dict[int, Steps] = {}
 
     def staging(self, batch: int):
-        return self.db.warehouse.root / "_staging" / f"_tra_{self.run}_b{batch}"
+        return self.db.warehouse.root / "_staging" / self.prefix(batch)
 
     def views(self) -> frozenset[str]:
         return frozenset()  # relations on Spark are tables
