@@ -6,7 +6,10 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import tra_sql
 from tra_sql import SpecError, nn
 from tra_sql.errors import ShapeError
 
@@ -249,6 +252,77 @@ def test_attention_two_batch_axes(db, put):
     close(nn.attention(db, X, w, causal=True).numpy(), np_attention(x, a, True), np.float64)
 
 
+def np_heads(q, k, v, keep, scale):
+    """softmax(scale * q·k, keep) · v per head (``...qhk``), rows with nothing kept giving 0."""
+    S = np.einsum("...qhk,...shk->...hqs", q, k) * scale
+    S = np.where(keep, S, -np.inf)
+    top = S.max(-1, keepdims=True)
+    E = np.exp(S - np.where(np.isfinite(top), top, 0))
+    total = E.sum(-1, keepdims=True)
+    P = np.divide(E, total, out=np.zeros_like(E), where=total > 0)
+    return np.einsum("...hqs,...shv->...qhv", P, v)
+
+
+def fused_attention(db, Q, K, V, mask, scale):
+    """The einsums of ``nn._attend`` between the projections and the output projection."""
+    S = db.einsum("Aqhk,Ashk->Ahqs", Q, K)
+    return db.einsum("Ahqs,Ashv->Aqhv", nn.softmax(db, S, mask=mask, scale=scale), V)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_tile,s_tile,h_tile", [(7, 9, 3), (3, 4, 2), (2, 9, 1), (7, 2, 3)])
+def test_attention_is_one_fused_step(db, put, q_tile, s_tile, h_tile, dtype):
+    """softmax(Q·K)·V compiles to one tra_attention step (online softmax across key tiles),
+    ragged query and key tiles included; a query row with every key masked gives 0."""
+    b, q, s, h, dk, dv = 2, 7, 9, 3, 4, 5
+    Q, q_ = put((b, q, h, dk), tile=(1, q_tile, h_tile, dk), dtype=dtype)
+    K, k_ = put((b, s, h, dk), tile=(2, s_tile, h_tile, dk), dtype=dtype)
+    V, v_ = put((b, s, h, dv), tile=(2, s_tile, h_tile, 2), dtype=dtype)
+    keep = np.random.default_rng(3).random((q, s)) > 0.4
+    keep[2] = False
+    M, _ = put(keep.astype(dtype), tile=(q_tile, s_tile), dtype=dtype)
+    out = fused_attention(db, Q, K, V, M, 0.7)
+    sql = out.sql()
+    assert "TRA_ATTENTION_4" in sql and "max" not in sql and out.tile == (1, q_tile, h_tile, 2)
+    got = out.numpy()
+    close(got, np_heads(q_, k_, v_, keep, 0.7), dtype)
+    assert not got[:, 2].any()
+
+
+def test_attention_steps_stay_apart_when_read_elsewhere(db, put):
+    """When the probabilities are read again (here: by the backward pass) or the head axis of
+    the scores is split over tiles, the steps compile one by one, with the same result."""
+    Q, q_ = put((2, 5, 2, 4))
+    K, k_ = put((2, 6, 2, 4))
+    V, v_ = put((2, 6, 2, 3))
+    out = fused_attention(db, Q, K, V, None, 0.5)
+    assert "TRA_ATTENTION_3" in out.sql()
+    (dQ,) = db.grad(db.einsum("Aqhv->", out, join="x0 * x0"), [Q])
+    assert "TRA_ATTENTION" not in dQ.sql()
+    Qs, Ks = Q.retile((2, 5, 2, 3)), K.retile((2, 6, 2, 3))
+    split = fused_attention(db, Qs, Ks, V, None, 0.5)
+    assert "TRA_ATTENTION" not in split.sql()
+    close(split.numpy(), out.numpy(), np.float64)
+    close(out.numpy(), np_heads(q_, k_, v_, True, 0.5), np.float64)
+
+
+def test_attention_gradients_match_torch(db, put, torch):
+    """Gradients through causal multi-head attention (the unfused steps) against autograd."""
+    b, s, d, heads = 2, 5, 6, 2
+    X, x = put((b, s, d), tile=(1, 3, 4))
+    w, a = attention_weights(put, d, heads, 3, np.float64)
+    loss = db.einsum("Aqe->", nn.attention(db, X, w, causal=True), join="x0 * x0")
+    got = db.grad(loss, [X, w.Wq, w.Wv, w.bo])
+    T = {n: torch.from_numpy(v).requires_grad_() for n, v in a.items()}
+    tx = torch.from_numpy(x).requires_grad_()
+    Qt, Kt, Vt = (torch.einsum("bsd,dhk->bhsk", tx, T[n]) + T[c][:, None] for n, c in
+                  (("Wq", "bq"), ("Wk", "bk"), ("Wv", "bv")))
+    o = torch.nn.functional.scaled_dot_product_attention(Qt, Kt, Vt, is_causal=True)
+    (torch.einsum("bhqv,hve->bqe", o, T["Wo"]) + T["bo"]).pow(2).sum().backward()
+    for g, want in zip(got, (tx.grad, T["Wq"].grad, T["Wv"].grad, T["bo"].grad)):
+        close(g.numpy(), want.numpy(), np.float64)
+
+
 def test_causal_mask_is_stored_once(db):
     m = nn.causal_mask(db, 4, 6, tile=(3, 4))
     assert nn.causal_mask(db, 4, 6, tile=(3, 4)).name == m.name
@@ -300,3 +374,32 @@ def test_block_is_one_lazy_program(db, put):
     sql = y.sql()
     assert sql.count("AS MATERIALIZED") > 20 and "nn_causal_6_6_float64_4_4" in sql
     assert y.shape == (2, 6, 8) and y.tile == (1, 4, 5)
+
+
+@st.composite
+def attention_cases(draw):
+    """Shapes (b, q, s, h, dk, dv), a tile per axis (ragged ones included), a mask or none."""
+    sizes = dict(zip("bqshkv", (draw(st.integers(1, n)) for n in (2, 7, 9, 3, 4, 4))))
+    tiles = {c: draw(st.integers(1, n)) for c, n in sizes.items()}
+    tiles["k"] = sizes["k"]  # the fused kernel needs whole score tiles
+    keep = draw(st.none() | st.lists(st.booleans(), min_size=sizes["q"] * sizes["s"],
+                                     max_size=sizes["q"] * sizes["s"]))
+    return sizes, tiles, keep, draw(st.floats(0.1, 2.0))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(attention_cases())
+def test_fused_attention_property(case):
+    sizes, tiles, keep, scale = case
+    rng = np.random.default_rng(sum(sizes.values()))
+    with tra_sql.connect() as db:
+        def put(name, sub):
+            a = rng.standard_normal(tuple(sizes[c] for c in sub))
+            return db.from_numpy(name, a, tile=tuple(tiles[c] for c in sub)), a
+
+        (Q, q), (K, k), (V, v) = put("q", "bqhk"), put("k", "bshk"), put("v", "bshv")
+        mask = None if keep is None else np.array(keep, dtype=np.float64).reshape(sizes["q"], sizes["s"])
+        M = None if mask is None else db.from_numpy("m", mask, tile=(tiles["q"], tiles["s"]))
+        out = fused_attention(db, Q, K, V, M, scale)
+        assert "TRA_ATTENTION" in out.sql()
+        close(out.numpy(), np_heads(q, k, v, True if mask is None else mask > 0, scale), np.float64)

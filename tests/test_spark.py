@@ -19,7 +19,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
     pytest.skip("the Spark tests need Java", allow_module_level=True)
 
 import tra_sql  # noqa: E402
-from tra_sql import graph  # noqa: E402
+from tra_sql import graph, nn  # noqa: E402
 from tra_sql.backends import spark_sql, transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD  # noqa: E402
@@ -112,8 +112,16 @@ def programs(db, t, full: bool = True):
             "ints": db.einsum("ij,kj->ik", t["I"], t["I"]),
             "concat_slice": db.concat([t["A"][:5], t["A"][30:]], axis=0),
             "reshape_add_full": db.add(t["B"].reshape(23, 29), db.full((23, 29), 2.0, tile=(8, 16))),
+            "attention": attention(db, t["A"]),
         }
     return out
+
+
+def attention(db, A):
+    """softmax(0.1 A·Aᵀ)·A, one fused step (its softmax online over three key tiles)."""
+    whole_rows = A.retile((16, 29))
+    scores = db.einsum("qk,sk->qs", whole_rows, whole_rows)
+    return db.einsum("qs,sv->qv", nn.softmax(db, scores, scale=0.1), A)
 
 
 def expected(full: bool = True):
@@ -124,6 +132,8 @@ def expected(full: bool = True):
     if full:
         out |= {"chain": a @ b @ d["V"], "reduce": a.sum(), "ints": d["I"] @ d["I"].T,
                 "concat_slice": np.concatenate([a[:5], a[30:]]), "reshape_add_full": b.reshape(23, 29) + 2.0}
+        e = np.exp(0.1 * a @ a.T - (0.1 * a @ a.T).max(1, keepdims=True))
+        out["attention"] = e / e.sum(1, keepdims=True) @ a
     return out
 
 
@@ -137,7 +147,9 @@ def test_connect_and_budget(sdb):
 
 def test_programs_equal_duckdb(sdb, duck):
     want = expected()
-    ours = {k: v.numpy() for k, v in programs(sdb, load(sdb, "p")).items()}
+    spark_programs = programs(sdb, load(sdb, "p"))
+    assert "tra_attention_3" in sdb.sql_text(spark_programs["attention"].program()).lower()
+    ours = {k: v.numpy() for k, v in spark_programs.items()}
     theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "p")).items()}
     for k in want:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-12, atol=1e-12, err_msg=k)

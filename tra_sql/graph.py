@@ -104,6 +104,17 @@ class Place(Node):
         return f"retile {self.sources[0].tile} -> {self.tile}"
 
 
+@dataclass(frozen=True)
+class Softmax:
+    """Marks an einsum as ``nn.softmax``'s last step: ``softmax(scale * scores)`` over the
+    last index, ``masked`` where the mask (operand 1) is not > 0; its operands are the scores,
+    the mask if any, the row max and the row sum. The compiler may fuse it with the
+    contraction that reads it (see ``sqlgen.attention_parts``)."""
+
+    scale: float
+    masked: bool
+
+
 @dataclass(eq=False)
 class Einsum(Node):
     """``out[o] = agg over the other indices of join(x0[...], ..., xn[...])``."""
@@ -112,6 +123,7 @@ class Einsum(Node):
     operands: tuple[Node, ...]
     join: str | None
     agg: str
+    softmax: Softmax | None = None
 
     @property
     def inputs(self) -> tuple[Node, ...]:

@@ -11,6 +11,7 @@ Constant tensors (the causal mask) are data, stored with ``db.from_numpy``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import sqrt
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tra_sql.errors import ShapeError, SpecError
+from tra_sql.graph import Softmax
 from tra_sql.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -115,7 +117,8 @@ def softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float 
     """Softmax of ``scale * x`` over the last axis, numerically stable (max subtracted): three
     einsums, ``exp(x - max) / sum``. ``mask`` (shaped like the trailing axes of ``x``) keeps
     positions where it is > 0; the others get probability 0."""
-    return _softmax(db, x, mask, scale, "exp({logit} - {max}) / {sum}", "0.0")
+    probs = _softmax(db, x, mask, scale, "exp({logit} - {max}) / {sum}", "0.0")
+    return Tensor(db, dataclasses.replace(probs.node, softmax=Softmax(float(scale), mask is not None)))
 
 
 def log_softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:

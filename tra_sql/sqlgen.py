@@ -84,20 +84,18 @@ def _layouts(node: Einsum) -> dict:
     return {"layouts": layouts} | ({"out_layout": node.layout} if node.layout != "dense" else {})
 
 
-def einsum_select(node: Einsum, refs: list[str], names: list[str],
-                  epilogue: Epilogue | None = None) -> tuple[exp.Select, list[str]]:
-    """The SELECT computing ``node`` (then ``epilogue``, if any) from the relations ``refs``,
-    and the UDFs it calls."""
-    spec = node.spec
-    aliases = [f"x{m}" for m in range(len(refs))]
+def _joins(inputs, refs: list[str]) -> tuple[list, list[exp.Expression], dict[str, exp.Column]]:
+    """How operands ``x0, x1, ...`` (subscripts ``inputs``, relations ``refs``) join: each
+    later one on the keys of the indices it shares with earlier ones, an index repeated inside
+    one operand as a filter. Returns (joins, filters, the first key column of every index)."""
     first: dict[str, exp.Column] = {}
     joins: list[tuple[exp.Table, list[exp.Expression]]] = []
     where: list[exp.Expression] = []
-    for m, (sub, alias) in enumerate(zip(spec.inputs, aliases)):
+    for m, sub in enumerate(inputs):
         on = []
         seen_here: dict[str, exp.Column] = {}
         for d, c in enumerate(sub):
-            col = exp.column(key(d), alias)
+            col = exp.column(key(d), f"x{m}")
             if c in seen_here:
                 where.append(exp.EQ(this=col, expression=seen_here[c].copy()))
             elif c in first:
@@ -105,7 +103,33 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
             seen_here.setdefault(c, col)
             first.setdefault(c, col)
         if m:
-            joins.append((_table(refs[m], alias), on))
+            joins.append((_table(refs[m], f"x{m}"), on))
+    return joins, where, first
+
+
+def _joined(ref: str, joins: list, where: list[exp.Expression]) -> exp.Select:
+    """``FROM ref AS x0 JOIN ... WHERE ...``, nothing selected yet."""
+    select = exp.select().from_(_table(ref, "x0"))
+    for table, on in joins:
+        select = select.join(table, on=exp.and_(*on) if on else exp.true())
+    return select.where(exp.and_(*where)) if where else select
+
+
+def _operand_fields(inputs) -> list[exp.PropertyEQ]:
+    """``keys<m>``, ``tile<m>`` struct fields of every operand ``x<m>``."""
+    fields = []
+    for m, sub in enumerate(inputs):
+        keys = _array([exp.column(key(d), f"x{m}") for d in range(len(sub))])
+        fields += [_field(f"keys{m}", keys), _field(f"tile{m}", exp.column("tile", f"x{m}"))]
+    return fields
+
+
+def einsum_select(node: Einsum, refs: list[str], names: list[str],
+                  epilogue: Epilogue | None = None) -> tuple[exp.Select, list[str]]:
+    """The SELECT computing ``node`` (then ``epilogue``, if any) from the relations ``refs``,
+    and the UDFs it calls."""
+    spec = node.spec
+    joins, where, first = _joins(spec.inputs, refs)
     out_keys = [first[c] for c in spec.output]
     split = [first[c] for c in spec.aggregated if node.tiles[c] < node.sizes[c]]
     meta = {
@@ -114,10 +138,7 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
         "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
     } | _layouts(node)
     full_meta = _meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {}))
-    fields: list[exp.Expression] = []
-    for m, (sub, alias) in enumerate(zip(spec.inputs, aliases)):
-        keys = _array([exp.column(key(d), alias) for d in range(len(sub))])
-        fields += [_field(f"keys{m}", keys), _field(f"tile{m}", exp.column("tile", alias))]
+    fields = _operand_fields(spec.inputs)
     extras: list[exp.Expression] = []  # (keys, tile) of each epilogue operand, joined on the output keys
     if epilogue:
         position_of = {c: i for i, c in enumerate(epilogue.node.spec.output)}
@@ -130,11 +151,7 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str],
                                                for col, c in zip(cols, sub)]))
             extras += [_array([c.copy() for c in cols]), exp.column("tile", alias)]
     suffix = f"_{len(extras) // 2}" if extras else ""
-    select = exp.select().from_(_table(refs[0], aliases[0]))
-    for table, on in joins:
-        select = select.join(table, on=exp.and_(*on) if on else exp.true())
-    if where:
-        select = select.where(exp.and_(*where))
+    select = _joined(refs[0], joins, where)
     per_row = [_array([k.copy() for k in out_keys])] + [f.expression for f in fields]
     if not split:
         udf = f"tra_einsum_{len(refs) + len(extras) // 2}"
@@ -181,6 +198,77 @@ def fusable(node: Node, consumers: Counter) -> int | None:
                 and sub == node.spec.output and op.tile == node.tile):
             return p
     return None
+
+
+@dataclass(frozen=True)
+class Attention:
+    """``node = softmax(scale * Q·K, mask) · V`` found in the DAG (see ``attention_parts``):
+    the steps it absorbs, and the fused step's operands (Q, K, V, the mask if any) with their
+    subscripts, the scores' subscript and the output's, all in the scores' index letters."""
+
+    node: Einsum
+    absorbed: tuple[Node, ...]
+    operands: tuple[Node, ...]
+    inputs: tuple[str, ...]
+    scores: str
+    output: str
+    scale: float
+
+
+def attention_parts(node: Node, consumers: Counter) -> Attention | None:
+    """``node`` as a fused attention step, when it contracts V with a ``Softmax``-marked einsum
+    (over its last index) of scores ``Q·K`` and nothing else reads the scores, the row max,
+    the row sum or the probabilities. The scores' contracted indices must be single tiles
+    (the kernel computes whole score tiles); everything dense."""
+    if not isinstance(node, Einsum) or node.join is not None or node.agg != "sum" or len(node.operands) != 2:
+        return None
+    probs, values = node.operands
+    if not isinstance(probs, Einsum) or probs.softmax is None or consumers[id(probs)] != 1:
+        return None
+    scores, row_max, row_sum = probs.operands[0], probs.operands[-2], probs.operands[-1]
+    if not (isinstance(scores, Einsum) and scores.join is None and scores.agg == "sum" and len(scores.operands) == 2
+            and isinstance(row_max, Einsum) and isinstance(row_sum, Einsum)
+            and row_max.operands[0] is scores and row_sum.operands[0] is scores and row_sum.operands[-1] is row_max):
+        return None
+    if (consumers[id(scores)], consumers[id(row_max)], consumers[id(row_sum)]) != (3, 2, 1):
+        return None
+    mask = probs.operands[1:2] if probs.softmax.masked else ()
+    if any(n.layout != "dense" for n in (*scores.operands, values, *mask)):
+        return None
+    if any(scores.tiles[c] < scores.sizes[c] for c in scores.spec.aggregated):
+        return None
+    letters = scores.spec.output
+    probs_sub, (over, own) = probs.spec.inputs[0], node.spec.inputs
+    if (probs.spec.output != probs_sub or len(set(letters)) != len(letters) or over[-1] in node.spec.output
+            or set(node.spec.aggregated) != {over[-1]}):
+        return None
+    rename = dict(zip(over, letters))
+    fresh = (c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in "".join(scores.spec.inputs))
+    for c in own:
+        rename.setdefault(c, next(fresh))
+    inputs = (*scores.spec.inputs, "".join(rename[c] for c in own))
+    if mask:
+        inputs += ("".join(dict(zip(probs_sub, letters))[c] for c in probs.spec.inputs[1]),)
+    return Attention(node, (scores, row_max, row_sum, probs), (*scores.operands, values, *mask), inputs,
+                     letters, "".join(rename[c] for c in node.spec.output), probs.softmax.scale)
+
+
+def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.Select:
+    """The fused attention step: Q, K, V (and the mask) joined on their shared indices, one
+    ``tra_attention_<n>`` call per output tile over the list of its joined rows (one per key
+    tile: the kernel runs the softmax online across them)."""
+    joins, where, first = _joins(att.inputs, refs)
+    out_keys = [first[c] for c in att.output]
+    operands = att.operands
+    sizes = {c: n for sub, op in zip(att.inputs, operands) for c, n in zip(sub, op.shape)}
+    tiles = {c: t for sub, op in zip(att.inputs, operands) for c, t in zip(sub, op.tile)}
+    meta = _meta({"inputs": list(att.inputs), "scores": att.scores, "output": att.output, "sizes": sizes,
+                  "tiles": tiles, "dtypes": [op.dtype.name for op in operands], "out_dtype": att.node.dtype.name,
+                  "names": names, "scale": att.scale})
+    call = exp.Anonymous(this=f"tra_attention_{len(refs)}", expressions=[
+        meta, _array([k.copy() for k in out_keys]), _list_of_structs(_operand_fields(att.inputs))])
+    select = _joined(refs[0], joins, where).select(*_select_keys(out_keys, call))
+    return select.group_by(*[k.copy() for k in out_keys]) if out_keys else select
 
 
 def _num(value: int) -> exp.Literal:
@@ -296,28 +384,38 @@ class Program:
     @classmethod
     def compile(cls, root: Node, *others: Node) -> Program:
         """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``);
-        element-wise einsums over a contraction are fused into it (see ``fusable``)."""
+        attention (softmax over scores, contracted with values) becomes one step (see
+        ``attention_parts``) and element-wise einsums over a contraction are fused into it
+        (see ``fusable``)."""
         program = cls(root)
         order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
         consumers = Counter(id(child) for node in order for child in node.inputs)
         consumers.update(id(top) for top in (root, *others))  # a result stays a step of its own
-        fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None}
-        absorbed = {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
+        attention = {id(node): att for node in order if (att := attention_parts(node, consumers))}
+        absorbed = {id(part) for att in attention.values() for part in att.absorbed}
+        fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None
+                 and id(node.inputs[p]) not in attention and id(node.inputs[p]) not in absorbed}
+        absorbed |= {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
         for node in order:
             if id(node) not in absorbed:
-                program._add(node, fused.get(id(node)))
+                program._add(node, fused.get(id(node)), attention.get(id(node)))
         return program
 
     def _labels(self, nodes) -> tuple[list[str], list[str]]:
         refs = [self.refs[id(child)] for child in nodes]
         return refs, [child.table if isinstance(child, Source) else r for child, r in zip(nodes, refs)]
 
-    def _add(self, node: Node, epilogue_of: int | None = None) -> None:
+    def _add(self, node: Node, epilogue_of: int | None = None, attention: Attention | None = None) -> None:
         if isinstance(node, Source):
             self.refs[id(node)] = node.table
             return
         name = f"_t{len(self.ctes) + 1}"
-        if epilogue_of is not None:
+        within: list[Node] = []  # absorbed nodes, computed by this step too
+        if attention is not None:
+            refs, labels = self._labels(attention.operands)
+            select, udfs = attention_select(attention, refs, labels), [f"tra_attention_{len(refs)}"]
+            within = list(attention.absorbed)
+        elif epilogue_of is not None:
             inner = node.inputs[epilogue_of]
             outer_refs, outer_labels = self._labels(
                 [child for i, child in enumerate(node.inputs) if i != epilogue_of])
@@ -325,7 +423,7 @@ class Program:
             outer_labels.insert(epilogue_of, "")
             refs, labels = self._labels(inner.inputs)
             select, udfs = einsum_select(inner, refs, labels, Epilogue(node, epilogue_of, outer_refs, outer_labels))
-            self.refs[id(inner)] = name
+            within = [inner]
         elif isinstance(node, Einsum):
             refs, labels = self._labels(node.inputs)
             select, udfs = einsum_select(node, refs, labels)
@@ -337,12 +435,12 @@ class Program:
         else:
             raise TypeError(f"cannot compile {type(node).__name__}")
         text = select.sql(dialect="duckdb")
-        if text in self.by_sql:
-            self.refs[id(node)] = self.by_sql[text]
-            return
-        self.udfs.update(udfs)
-        self.ctes.append((name, select, node))
-        self.refs[id(node)] = self.by_sql[text] = name
+        if text not in self.by_sql:
+            self.udfs.update(udfs)
+            self.ctes.append((name, select, node))
+            self.by_sql[text] = name
+        for computed in (node, *within):
+            self.refs[id(computed)] = self.by_sql[text]
 
     def query(self, materialized: bool = True) -> exp.Select:
         """``WITH <steps> AS MATERIALIZED (...) <root's SELECT>``: columns ``k0, ..., tile``

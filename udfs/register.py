@@ -9,6 +9,8 @@ serves every einsum of its arity:
 - ``tra_einsum_agg_<n>(meta, out_keys, list({keys0, tile0, ..., keys<n-1>, tile<n-1>}))``:
   one output tile per group, aggregating the group's joined rows inside the kernel (fused
   join + aggregate);
+- ``tra_attention_<n>(meta, out_keys, list({keys0, tile0, ...}))``: fused attention over
+  Q, K, V (and a mask), see ``tra_sql.udfs.attention``;
 - ``tra_reduce(meta, out_keys, list(tile))``: one output tile per group, the aggregate of
   the partial results ``tra_einsum_<n>`` computed per joined row;
 - with an epilogue (an element-wise einsum fused into the step, ``meta["epilogue"]``), its
@@ -220,8 +222,7 @@ def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns)
         tiles = others[: epilogue.position] + [buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])] \
             + others[epilogue.position :]
         out = out_buf.view(epilogue.result.dtype).reshape(len(rows), *shapes[0])
-        epilogue.batched.init(out)
-        epilogue.batched.accumulate(out, tiles, scratch=False)
+        _stacked_call(epilogue, out, tiles)
         return binary_array(out_buf, out_offsets)
     for row in rows:
         inner = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
@@ -231,6 +232,17 @@ def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns)
         epilogue.kernel.init(out)
         epilogue.kernel.accumulate(out, tiles, scratch=False)
     return binary_array(out_buf, out_offsets)
+
+
+def _stacked_call(meta: StepMeta, out: np.ndarray, tiles: list[np.ndarray]) -> None:
+    """``out`` (stacked output tiles) computed from stacked operand tiles in one kernel call;
+    a stack of one runs the plain kernel, whose loops can then be threaded."""
+    if len(out) == 1:
+        meta.kernel.init(out[0, ...])
+        meta.kernel.accumulate(out[0, ...], [t[0, ...] for t in tiles], scratch=False)
+    else:
+        meta.batched.init(out)
+        meta.batched.accumulate(out, tiles, scratch=False)
 
 
 def _uniform(shapes: np.ndarray) -> bool:
@@ -257,8 +269,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes))
     if stacked:
         out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
-        meta.batched.init(out)
-        meta.batched.accumulate(out, tiles, scratch=False)
+        _stacked_call(meta, out, tiles)
     else:
         for row in rows:
             out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
@@ -280,8 +291,7 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     tiles, stacked = _operand_tiles(meta, rows.flatten(), elements, small)
     if stacked:
         partial = np.empty((len(rows), *shapes[0]), dtype=meta.result.dtype)
-        meta.batched.init(partial)
-        meta.batched.accumulate(partial, tiles, scratch=False)
+        _stacked_call(meta, partial, tiles)
         out = buf.view(meta.result.dtype).reshape(len(out_keys), *shapes[0])
         REDUCE[meta.agg].reduceat(partial, group_offsets[:-1], axis=0, out=out)
     else:
@@ -391,6 +401,13 @@ def fill(meta_col, out_keys_col):
     return binary_array(buf, offsets)
 
 
+def _rows_type(arity: int):
+    """``list({keys0, tile0, ..., keys<arity-1>, tile<arity-1>})``: a group's joined rows."""
+    keys = duckdb.list_type(BIGINT)
+    return duckdb.list_type(duckdb.struct_type(
+        {f"{what}{m}": typ for m in range(arity) for what, typ in (("keys", keys), ("tile", BLOB))}))
+
+
 def _signature(name: str):
     """(Python function, parameter types, result type) of a UDF name."""
     from tra_sql.udfs import elements, pack
@@ -414,15 +431,17 @@ def _signature(name: str):
     reduce = re.fullmatch(r"tra_reduce(?:_(\d+))?", name)
     if reduce:  # with k epilogue operands: k (keys, tile) pairs after the list of partials
         return reduce_partials, [VARCHAR, keys, duckdb.list_type(BLOB)] + [keys, BLOB] * int(reduce.group(1) or 0), BLOB
+    attention = re.fullmatch(r"tra_attention_(\d+)", name)
+    if attention:  # (keys, tile) of Q, K, V and the mask, if any, per joined row
+        from tra_sql.udfs.attention import attention_groups
+        return attention_groups, [VARCHAR, keys, _rows_type(int(attention.group(1)))], BLOB
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)(?:_(\d+))?", name)
     if not match or (match.group(3) and not match.group(1)):
         raise ValueError(f"no tile UDF is named {name!r}")
     arity = int(match.group(2))
     if match.group(1):  # with k epilogue operands: k (keys, tile) pairs after the list
-        fields = {f"{what}{m}": typ for m in range(arity) for what, typ in (("keys", keys), ("tile", BLOB))}
         extra = int(match.group(3) or 0)
-        return einsum_groups, [VARCHAR, keys, duckdb.list_type(duckdb.struct_type(fields))] + [keys, BLOB] * extra, \
-            BLOB
+        return einsum_groups, [VARCHAR, keys, _rows_type(arity)] + [keys, BLOB] * extra, BLOB
     return einsum_rows, [VARCHAR, keys] + [keys, BLOB] * arity, BLOB
 
 

@@ -6,7 +6,7 @@ every op reads its operands in the planned tiling (repartitions become Tile/Conc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import ceil, prod
 
 import numpy as np
@@ -219,8 +219,7 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
                                          src.value))
                 else:
                     operands.append(graph.retile(visit(src), want))
-            new: Node = Einsum(node.shape, node.dtype, tuple(tiles[c] for c in node.spec.output), node.spec,
-                               tuple(operands), node.join, node.agg)
+            new: Node = replace(node, tile=tuple(tiles[c] for c in node.spec.output), operands=tuple(operands))
         elif is_retile(node):
             new = graph.retile(visit(producer(node)), node.tile)
         elif isinstance(node, Place):
@@ -228,7 +227,7 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
             new = Place(node.shape, node.dtype, node.tile, sources, node.offsets, node.flat)
         elif isinstance(node, Einsum):
             operands = tuple(graph.retile(visit(producer(o)), o.tile) for o in node.operands)
-            new = Einsum(node.shape, node.dtype, node.tile, node.spec, operands, node.join, node.agg)
+            new = replace(node, operands=operands)
         else:
             assert isinstance(node, (Source, Fill)), type(node)
             new = node
