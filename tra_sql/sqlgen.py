@@ -26,6 +26,7 @@ import numpy as np
 from sqlglot import exp
 
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
+from tra_sql.udfs.attention import Roles
 
 KEY_TYPE = "BIGINT[]"
 PLAIN_CTE_DIALECTS = {"spark", "spark2", "databricks", "hive"}  # no ``AS MATERIALIZED``
@@ -219,7 +220,8 @@ def attention_parts(node: Node, consumers: Counter) -> Attention | None:
     """``node`` as a fused attention step, when it contracts V with a ``Softmax``-marked einsum
     (over its last index) of scores ``Q·K`` and nothing else reads the scores, the row max,
     the row sum or the probabilities. The scores' contracted indices must be single tiles
-    (the kernel computes whole score tiles); everything dense."""
+    (the kernel computes whole score tiles), the indices must play the parts of ``Roles``,
+    everything dense."""
     if not isinstance(node, Einsum) or node.join is not None or node.agg != "sum" or len(node.operands) != 2:
         return None
     probs, values = node.operands
@@ -249,8 +251,11 @@ def attention_parts(node: Node, consumers: Counter) -> Attention | None:
     inputs = (*scores.spec.inputs, "".join(rename[c] for c in own))
     if mask:
         inputs += ("".join(dict(zip(probs_sub, letters))[c] for c in probs.spec.inputs[1]),)
+    output = "".join(rename[c] for c in node.spec.output)
+    if Roles.of(inputs, output, letters[-1]) is None:
+        return None
     return Attention(node, (scores, row_max, row_sum, probs), (*scores.operands, values, *mask), inputs,
-                     letters, "".join(rename[c] for c in node.spec.output), probs.softmax.scale)
+                     letters, output, probs.softmax.scale)
 
 
 def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.Select:

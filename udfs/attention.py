@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from math import prod
 
 import numpy as np
 
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
-from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.register import Operand, _allocate, _operand_tiles, _out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
+
+
+CHUNK_ELEMENTS = 1 << 18  # scores computed per pass: a few (batch, head) pairs, so they stay in cache
+ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
 
 
 def _align(x: np.ndarray, sub: str, target: str) -> np.ndarray:
@@ -30,9 +34,37 @@ def _align(x: np.ndarray, sub: str, target: str) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Roles:
+    """The indices of ``softmax(Q·K over inner, over keys) · V`` by role, each a string:
+    ``batch`` (in Q, K, V and the output), ``rows`` (Q's own), ``inner`` (Q's and K's,
+    contracted), ``keys`` (the softmax index, K's and V's), ``cols`` (V's own)."""
+
+    batch: str
+    rows: str
+    inner: str
+    keys: str
+    cols: str
+
+    @staticmethod
+    def of(inputs: tuple[str, ...], output: str, softmax: str) -> Roles | None:
+        """The roles in an attention step's subscripts (Q, K, V[, mask]), or ``None`` if its
+        indices play other parts (then it is not fused)."""
+        q, k, v = inputs[:3]
+        roles = Roles("".join(c for c in q if c in k and c in output), "".join(c for c in q if c not in k),
+                      "".join(c for c in q if c in k and c not in output), softmax,
+                      "".join(c for c in v if c not in k))
+        fits = (set(k) == set(roles.batch + roles.inner + softmax) and set(v) == set(roles.batch + softmax + roles.cols)
+                and sorted(output) == sorted(roles.batch + roles.rows + roles.cols) and softmax not in q
+                and len(set(q + k + v)) == len(roles.batch + roles.rows + roles.inner + softmax + roles.cols)
+                and all(set(m) <= set(roles.batch + roles.rows + softmax) for m in inputs[3:]))
+        return roles if fits else None
+
+
+@dataclass(frozen=True)
 class AttentionMeta:
     """The parsed ``meta`` of ``tra_attention_<n>``: operand subscripts (Q, K, V[, mask]),
-    the scores' and the output's, sizes and tiles per index, dtypes, names, the scale."""
+    the scores' (the softmax index last) and the output's, sizes and tiles per index,
+    dtypes, names, the scale."""
 
     inputs: tuple[str, ...]
     scores: str
@@ -64,58 +96,94 @@ class AttentionMeta:
         return self._operand("result", self.out_dtype, self.output)
 
     @cached_property
-    def scores_kernel(self) -> TileEinsum:
-        return TileEinsum(self.inputs[:2], self.scores)
+    def roles(self) -> Roles:
+        return Roles.of(self.inputs, self.output, self.scores[-1])
 
-    @cached_property
-    def values_kernel(self) -> TileEinsum:
-        return TileEinsum((self.scores, self.inputs[2]), self.output)
 
-    @property
-    def rows(self) -> str:
-        """The scores' indices but the softmax one (the last)."""
-        return self.scores[:-1]
+def _matrices(x: np.ndarray, sub: str, *groups: str) -> np.ndarray:
+    """``x`` with its indices in ``groups`` order, each group flattened to one axis."""
+    order = "".join(groups)
+    extent = dict(zip(sub, x.shape))
+    return x.transpose([sub.index(c) for c in order]).reshape([prod(extent[c] for c in g) for g in groups])
+
+
+def _blocks(allowed: np.ndarray | None, rows: int, keys: int):
+    """(query rows, keys) blocks to compute: ``ROW_BLOCK`` rows at a time, each with the span
+    of keys the mask allows any of them (causal: about half the scores); a block whose keys
+    are all masked is skipped."""
+    if allowed is None:
+        yield slice(0, rows), slice(0, keys)
+        return
+    any_batch = allowed.any(axis=0)
+    for start in range(0, rows, ROW_BLOCK):
+        span = np.flatnonzero(any_batch[start : start + ROW_BLOCK].any(axis=0))
+        if len(span):
+            yield slice(start, min(start + ROW_BLOCK, rows)), slice(int(span[0]), int(span[-1]) + 1)
 
 
 class OnlineSoftmax:
-    """The running state of one output tile: row max, row sum and the weighted sum of V."""
+    """The running state of one output tile, over (batch, rows) matrices: the row max, the
+    row sum and the weighted sum of V's rows."""
 
-    def __init__(self, meta: AttentionMeta, out: np.ndarray):
-        self.meta, self.out = meta, out
-        self.acc = np.zeros(out.shape, dtype=out.dtype)
-        self.row_max: np.ndarray | None = None
-        self.row_sum: np.ndarray | None = None
+    def __init__(self, meta: AttentionMeta, q: np.ndarray):
+        self.meta, r = meta, meta.roles
+        self.extent = dict(zip(meta.inputs[0], q.shape))
+        self.q = _matrices(q, meta.inputs[0], r.batch, r.rows, r.inner)
+        self.row_max = np.full(self.q.shape[:2], MASKED, dtype=q.dtype)
+        self.row_sum = np.zeros_like(self.row_max)
+        self.acc: np.ndarray | None = None
 
-    def add(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
-        """Fold in one key tile."""
-        meta = self.meta
-        extent = dict(zip(meta.inputs[0], q.shape)) | dict(zip(meta.inputs[1], k.shape))
-        scores = np.zeros([extent[c] for c in meta.scores], dtype=np.result_type(q, k))
-        meta.scores_kernel.accumulate(scores, [q, k], scratch=False)
-        scores *= meta.scale
-        blocked = None if mask is None else ~_align(mask > 0, meta.inputs[3], meta.scores)
-        if blocked is not None:
-            np.copyto(scores, MASKED, where=blocked)
-        row_max = scores.max(axis=-1)
-        if self.row_max is not None:
-            np.maximum(row_max, self.row_max, out=row_max)
-        scores -= row_max[..., None]
+    def add(self, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
+        """Fold in one key tile, block by block (a few batch matrices at a time)."""
+        meta, r, q = self.meta, self.meta.roles, self.q
+        kt = np.ascontiguousarray(_matrices(k, meta.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1))
+        v = _matrices(v, meta.inputs[2], r.batch, r.keys, r.cols)
+        if self.acc is None:
+            self.acc = np.zeros((*q.shape[:2], v.shape[2]), dtype=np.dtype(meta.out_dtype))
+        allowed = None if mask is None else self._allowed(mask, dict(zip(meta.inputs[1], k.shape)))
+        for rows, keys in _blocks(allowed, q.shape[1], kt.shape[2]):
+            step = max(1, CHUNK_ELEMENTS // ((rows.stop - rows.start) * (keys.stop - keys.start)))
+            for start in range(0, len(q), step):
+                self._fold(slice(start, start + step), rows, keys, kt, v, allowed)
+
+    def _fold(self, part: slice, rows: slice, keys: slice, kt: np.ndarray, v: np.ndarray,
+              allowed: np.ndarray | None) -> None:
+        """The scores of batch matrices ``part``, query ``rows`` and ``keys`` into the state."""
+        scores = np.matmul(self.q[part, rows], kt[part, :, keys])
+        scores *= self.meta.scale
+        if allowed is not None:
+            np.copyto(scores, MASKED, where=~allowed[part if len(allowed) > 1 else slice(0, 1), rows, keys])
+        top = np.maximum(scores.max(axis=-1), self.row_max[part, rows])
+        scores -= top[..., None]
         weights = np.exp(scores, out=scores)
-        if blocked is not None:
-            np.copyto(weights, 0, where=blocked)
-        row_sum = weights.sum(axis=-1)
-        if self.row_max is not None:
-            carry = np.exp(self.row_max - row_max)
-            row_sum += self.row_sum * carry
-            self.acc *= _align(carry, meta.rows, meta.output)
-        meta.values_kernel.accumulate(self.acc, [weights, v], scratch=self.row_max is not None)
-        self.row_max, self.row_sum = row_max, row_sum
+        dead = top == MASKED  # rows with every key masked so far: exp gave them 1s
+        if allowed is not None and dead.any():
+            np.copyto(weights, 0, where=dead[..., None])
+        carry = np.exp(self.row_max[part, rows] - top)
+        self.row_sum[part, rows] = self.row_sum[part, rows] * carry + weights.sum(axis=-1)
+        acc = self.acc[part, rows]
+        acc *= carry[..., None]
+        acc += np.matmul(weights, v[part, keys])
+        self.row_max[part, rows] = top
 
-    def finish(self) -> None:
-        """``out = acc / row sum`` (0 where the row sum is 0: every position masked)."""
-        total = _align(self.row_sum, self.meta.rows, self.meta.output)
-        self.out[...] = 0
-        np.divide(self.acc, total, out=self.out, where=np.broadcast_to(total > 0, self.out.shape))
+    def _allowed(self, mask: np.ndarray, key_extent: dict[str, int]) -> np.ndarray:
+        """Where the mask tile is > 0, as (batch or 1, rows, keys) matrices."""
+        r, sub = self.meta.roles, self.meta.inputs[3]
+        extent = self.extent | key_extent
+        batch = r.batch if set(sub) & set(r.batch) else ""
+        shape = [extent[c] for c in batch + r.rows + r.keys]
+        allowed = np.broadcast_to(_align(mask > 0, sub, batch + r.rows + r.keys), shape)
+        return allowed.reshape(prod(shape[: len(batch)]), prod(shape[len(batch):-1]), shape[-1])
+
+    def finish(self, out: np.ndarray) -> None:
+        """``out = acc / row sum`` (0 where the row sum is 0: every position masked), in the
+        output's index order."""
+        r = self.meta.roles
+        result = np.divide(self.acc, self.row_sum[..., None], out=np.zeros_like(self.acc),
+                           where=self.row_sum[..., None] > 0)
+        order = r.batch + r.rows + r.cols
+        extent = dict(zip(self.meta.output, out.shape))
+        out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.output])
 
 
 def attention_groups(meta_col, out_keys_col, rows_col):
@@ -128,8 +196,9 @@ def attention_groups(meta_col, out_keys_col, rows_col):
     tiles, _ = _operand_tiles(meta, rows.flatten(), np.arange(len(rows)), False)
     masked = len(meta.inputs) == 4
     for row in range(len(out_keys)):
-        state = OnlineSoftmax(meta, _out_view(buf, offsets, row, shapes[row], meta.result.dtype))
-        for e in range(group_offsets[row], group_offsets[row + 1]):
-            state.add(tiles[0][e], tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
-        state.finish()
+        first = group_offsets[row]
+        state = OnlineSoftmax(meta, tiles[0][first])
+        for e in range(first, group_offsets[row + 1]):
+            state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
+        state.finish(_out_view(buf, offsets, row, shapes[row], meta.result.dtype))
     return binary_array(buf, offsets)
