@@ -304,6 +304,9 @@ def test_attention_steps_stay_apart_when_read_elsewhere(db, put):
     assert "TRA_ATTENTION" not in split.sql()
     close(split.numpy(), out.numpy(), np.float64)
     close(out.numpy(), np_heads(q_, k_, v_, True, 0.5), np.float64)
+    shared = db.einsum("Ahqs,Asv->Aqhv", nn.softmax(db, db.einsum("Aqhk,Ashk->Ahqs", Q, K), scale=0.5), V[:, :, 0])
+    assert "TRA_ATTENTION" not in shared.sql()  # values shared by the heads: not the kernel's pattern
+    close(shared.numpy(), np_heads(q_, k_, np.repeat(v_[:, :, :1], 2, axis=2), True, 0.5), np.float64)
 
 
 def test_attention_gradients_match_torch(db, put, torch):
