@@ -289,6 +289,15 @@ def test_attention_is_one_fused_step(db, put, q_tile, s_tile, h_tile, dtype):
     assert not got[:, 2].any()
 
 
+def test_fused_attention_integer_operands(db, rng):
+    """Integer Q, K, V: the scores' softmax is float64 (as unfused), fused all the same."""
+    q, k, v = (rng.integers(-3, 4, shape) for shape in ((2, 5, 2, 3), (2, 6, 2, 3), (2, 6, 2, 4)))
+    Q, K, V = (db.from_numpy(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
+    out = fused_attention(db, Q, K, V, None, 0.5)
+    assert "TRA_ATTENTION_3" in out.sql() and out.dtype == np.float64
+    close(out.numpy(), np_heads(q, k, v, True, 0.5), np.float64)
+
+
 def test_attention_steps_stay_apart_when_read_elsewhere(db, put):
     """When the probabilities are read again (here: by the backward pass) or the head axis of
     the scores is split over tiles, the steps compile one by one, with the same result."""

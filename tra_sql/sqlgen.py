@@ -269,6 +269,7 @@ def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.S
     tiles = {c: t for sub, op in zip(att.inputs, operands) for c, t in zip(sub, op.tile)}
     meta = _meta({"inputs": list(att.inputs), "scores": att.scores, "output": att.output, "sizes": sizes,
                   "tiles": tiles, "dtypes": [op.dtype.name for op in operands], "out_dtype": att.node.dtype.name,
+                  "probs_dtype": att.absorbed[-1].dtype.name,
                   "names": names, "scale": att.scale})
     call = exp.Anonymous(this=f"tra_attention_{len(refs)}", expressions=[
         meta, _array([k.copy() for k in out_keys]), _list_of_structs(_operand_fields(att.inputs))])

@@ -73,6 +73,7 @@ class AttentionMeta:
     tiles: dict[str, int]
     dtypes: tuple[str, ...]
     out_dtype: str
+    probs_dtype: str  # of the softmax's probabilities (a float type, also for integer operands)
     names: tuple[str, ...]
     scale: float
 
@@ -81,7 +82,7 @@ class AttentionMeta:
     def parse(text: str) -> AttentionMeta:
         m = json.loads(text)
         return AttentionMeta(tuple(m["inputs"]), m["scores"], m["output"], m["sizes"], m["tiles"],
-                             tuple(m["dtypes"]), m["out_dtype"], tuple(m["names"]), m["scale"])
+                             tuple(m["dtypes"]), m["out_dtype"], m["probs_dtype"], tuple(m["names"]), m["scale"])
 
     def _operand(self, name: str, dtype: str, sub: str) -> Operand:
         return Operand(name, np.dtype(dtype), np.array([self.sizes[c] for c in sub], np.int64),
@@ -128,15 +129,17 @@ class OnlineSoftmax:
     def __init__(self, meta: AttentionMeta, q: np.ndarray):
         self.meta, r = meta, meta.roles
         self.extent = dict(zip(meta.inputs[0], q.shape))
-        self.q = _matrices(q, meta.inputs[0], r.batch, r.rows, r.inner)
-        self.row_max = np.full(self.q.shape[:2], MASKED, dtype=q.dtype)
+        self.dtype = np.dtype(meta.probs_dtype)
+        self.q = _matrices(q, meta.inputs[0], r.batch, r.rows, r.inner).astype(self.dtype, copy=False)
+        self.row_max = np.full(self.q.shape[:2], MASKED, dtype=self.dtype)
         self.row_sum = np.zeros_like(self.row_max)
         self.acc: np.ndarray | None = None
 
     def add(self, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
         """Fold in one key tile, block by block (a few batch matrices at a time)."""
         meta, r, q = self.meta, self.meta.roles, self.q
-        kt = np.ascontiguousarray(_matrices(k, meta.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1))
+        kt = np.ascontiguousarray(_matrices(k, meta.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1),
+                                  dtype=self.dtype)
         v = _matrices(v, meta.inputs[2], r.batch, r.keys, r.cols)
         if self.acc is None:
             self.acc = np.zeros((*q.shape[:2], v.shape[2]), dtype=np.dtype(meta.out_dtype))
