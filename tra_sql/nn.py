@@ -11,9 +11,8 @@ Constant tensors (the causal mask) are data, stored with ``db.from_numpy``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import sqrt
 from typing import TYPE_CHECKING
 
@@ -118,7 +117,7 @@ def softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float 
     einsums, ``exp(x - max) / sum``. ``mask`` (shaped like the trailing axes of ``x``) keeps
     positions where it is > 0; the others get probability 0."""
     probs = _softmax(db, x, mask, scale, "exp({logit} - {max}) / {sum}", "0.0")
-    return Tensor(db, dataclasses.replace(probs.node, softmax=Softmax(float(scale), mask is not None)))
+    return Tensor(db, replace(probs.node, softmax=Softmax(float(scale), mask is not None)))
 
 
 def log_softmax(db: Session, x: Tensor, *, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:

@@ -1,10 +1,11 @@
 """``tra_attention_<n>``: ``softmax(scale * Q·K, mask) · V`` for one output tile per group.
 
 A group's joined rows are its key tiles: (Q, K_j, V_j[, mask_j]) for every tile ``j`` of the
-softmax index. The kernel computes each row's score tile with BLAS and folds it into a
-running row max, row sum and weighted sum of V (the online softmax of flash attention), so
-the scores never leave the kernel. Masked positions (mask not > 0) get weight 0, as in
-``nn.softmax``; a row with every position masked gives 0.
+softmax index. The kernel views the tiles as stacks of matrices (``Roles``), computes the
+scores a few matrices at a time with BLAS, in blocks of query rows that skip the keys their
+mask hides, and folds them into a running row max, row sum and weighted sum of V (the online
+softmax of flash attention), so the scores never leave the kernel. Masked positions (mask
+not > 0) get weight 0, as in ``nn.softmax``; a row with every position masked gives 0.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_vi
 from tra_sql.udfs.register import Operand, _allocate, _operand_tiles, _out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
-
-
 CHUNK_ELEMENTS = 1 << 18  # scores computed per pass: a few (batch, head) pairs, so they stay in cache
 ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
 
@@ -159,9 +158,10 @@ class OnlineSoftmax:
         top = np.maximum(scores.max(axis=-1), self.row_max[part, rows])
         scores -= top[..., None]
         weights = np.exp(scores, out=scores)
-        dead = top == MASKED  # rows with every key masked so far: exp gave them 1s
-        if allowed is not None and dead.any():
-            np.copyto(weights, 0, where=dead[..., None])
+        if allowed is not None:
+            dead = top == MASKED  # rows with every key masked so far: exp gave them 1s
+            if dead.any():
+                np.copyto(weights, 0, where=dead[..., None])
         carry = np.exp(self.row_max[part, rows] - top)
         self.row_sum[part, rows] = self.row_sum[part, rows] * carry + weights.sum(axis=-1)
         acc = self.acc[part, rows]
