@@ -179,6 +179,39 @@ def test_spark_sql_text(sdb):
     assert "AS MATERIALIZED" in t["A"].retile((10, 7)).reshape(37 * 29).sql("duckdb")
 
 
+def test_tensor_sql(sdb):
+    """The tensor SQL of DuckDB sessions on Spark: einsum/grad table functions in a lazy
+    SELECT, CREATE TENSOR (join, agg, WHERE on keys, reading the tensor it replaces), DROP
+    TENSOR, EXPLAIN; DuckDB-only functions and unknown tensors fail by name."""
+    t, d = load(sdb, "s"), arrays()
+    a, b = d["A"], d["B"]
+    rows = sdb.sql("SELECT count(*) AS n FROM einsum('ij,jk->ik', sA, sB) AS e WHERE e.k1 = 0").collect()
+    assert rows[0]["n"] == 3
+    assert not [v for v in sdb.spark.catalog.listTables() if v.name.startswith("_tra_sql")]
+    sdb.sql("""CREATE OR REPLACE TENSOR sC AS SELECT * FROM einsum('ij,jk->ik', sA, sB, "join" => 'x0 + x1',
+                                                                    agg => 'max') WHERE k0 = 0;
+               CREATE OR REPLACE TENSOR sC AS SELECT * FROM einsum('ij->ij', sC, "join" => 'x0 * 2')""")
+    want = 2 * np.maximum.reduce(a[:, :, None] + b[None], axis=1)
+    want[16:] = 0
+    np.testing.assert_allclose(sdb.tensor("sC").numpy(), want, rtol=1e-12)
+    sdb.sql("CREATE TENSOR IF NOT EXISTS sC AS SELECT * FROM sA")  # exists: nothing happens
+    assert sdb.tensor("sC").shape == (37, 23)
+    with pytest.raises(tra_sql.SQLError, match="exists already"):
+        sdb.sql("CREATE TENSOR sC AS SELECT * FROM sA")
+    sdb.sql("CREATE OR REPLACE TENSOR sG AS SELECT * FROM grad(einsum('ij,jk->', sA, sB), sA)")
+    np.testing.assert_allclose(sdb.tensor("sG").numpy(), np.ones((37, 23)) @ b.T, rtol=1e-12)
+    script = sdb.explain_sql("SELECT k0 FROM einsum('ij,jk->ik', sA, sB)")
+    assert "computed first" in script and "TRA_REDUCE" in script and re.search(r"FROM\s+`?_tra_sql_", script)
+    assert "_tra_sql_" in sdb.sql("EXPLAIN SELECT k0 FROM einsum('ij,jk->ik', sA, sB)").collect()[0][0]
+    sdb.sql("DROP TENSOR sC; DROP TENSOR IF EXISTS sC")
+    assert "sC" not in sdb.tensors()
+    with pytest.raises(tra_sql.UnknownTensorError, match="'Nope'"):
+        sdb.sql("SELECT * FROM einsum('ij->i', Nope)")
+    with pytest.raises(tra_sql.ExecutionError, match="DuckDB only"):
+        sdb.sql("SELECT * FROM tra_random(shape => [2, 2])")
+    assert t["A"].name == "sA"
+
+
 def test_shared_steps_run_once_and_leave_nothing(sdb):
     """Every step is a temporary view; one read twice is a local checkpoint, so its UDF runs
     once in the plan. Views and checkpoint blocks are gone afterwards."""

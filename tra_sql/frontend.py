@@ -177,7 +177,7 @@ def explained(statement: Statement) -> Statement:
     return inner[0]
 
 
-def _with_context(err: TraError, where: str, level: str) -> TraError:
+def with_context(err: TraError, where: str, level: str) -> TraError:
     """``err`` (same class) with ``where`` in front of its message, once per ``level``
     (``call`` or ``statement``)."""
     levels = getattr(err, "tra_levels", frozenset())
@@ -302,7 +302,7 @@ class Rewriter:
         try:
             yield
         except TraError as err:
-            raise _with_context(err, f"in {_shown(call)}", "call") from None
+            raise with_context(err, f"in {_shown(call)}", "call") from None
 
     def parse(self, text: str) -> exp.Expression:
         try:
@@ -531,17 +531,32 @@ class Rewriter:
 
 
 # -- running statements -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CreateTensor:
+    """What a ``CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS <select>`` asks for."""
+
+    name: str
+    replace: bool
+    if_not_exists: bool
+    select: str
+
+    @staticmethod
+    def of(statement: Statement) -> CreateTensor:
+        tokens, i = statement.tokens, 2 if statement.words(1, 1) == ["TENSOR"] else 4
+        replace = i == 4
+        exists = statement.words(i, 3) == ["IF", "NOT", "EXISTS"]
+        i += 3 if exists else 0
+        if i + 1 >= len(tokens) or tokens[i].token_type not in (TokenType.VAR, TokenType.IDENTIFIER) \
+                or statement.words(i + 1, 1) != ["AS"]:
+            raise SQLError("write CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT ...")
+        return CreateTensor(catalog.check_name(tokens[i].text), replace, exists, statement.rest(i + 1))
+
+
 def _create(session: Session, statement: Statement, run: bool) -> str | None:
-    tokens, i = statement.tokens, 2 if statement.words(1, 1) == ["TENSOR"] else 4
-    replace = i == 4
-    exists = statement.words(i, 3) == ["IF", "NOT", "EXISTS"]
-    i += 3 if exists else 0
-    if i + 1 >= len(tokens) or tokens[i].token_type not in (TokenType.VAR, TokenType.IDENTIFIER) \
-            or statement.words(i + 1, 1) != ["AS"]:
-        raise SQLError("write CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT ...")
-    name = catalog.check_name(tokens[i].text)
+    create = CreateTensor.of(statement)
+    name, replace, exists = create.name, create.replace, create.if_not_exists
     rewriter = Rewriter(session)
-    tensor, query = rewriter.source(rewriter.parse(statement.rest(i + 1)))
+    tensor, query = rewriter.source(rewriter.parse(create.select))
     info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
     sql = query.sql(dialect="duckdb", pretty=not run)
     if not run:
@@ -573,7 +588,7 @@ def _create_via_temp(session: Session, info: TensorInfo, sql: str, replace: bool
         con.execute(f"DROP TABLE IF EXISTS {temp.sql(dialect='duckdb')}").fetchall()
 
 
-def _drop(session: Session, statement: Statement, run: bool) -> str | None:
+def drop_tensor(session: Session, statement: Statement, run: bool) -> str | None:
     exists = statement.words(2, 2) == ["IF", "EXISTS"]
     at = 4 if exists else 2
     tokens = statement.tokens
@@ -598,7 +613,7 @@ def rewrite_statement(session: Session, statement: Statement, run: bool = False)
     if kind == "create":
         return _create(session, statement, run)
     if kind == "drop":
-        return _drop(session, statement, run)
+        return drop_tensor(session, statement, run)
     if kind == "explain":
         return rewrite_statement(session, explained(statement))
     if kind == "plain":
@@ -633,7 +648,7 @@ def run_statement(session: Session, statement: Statement, params=None, *, cursor
     try:
         return _run_one(session, statement, params, cursor)
     except TraError as err:
-        raise _with_context(err, statement.where(), "statement") from None
+        raise with_context(err, statement.where(), "statement") from None
 
 
 def run(session: Session, text: str, params=None, *, cursor: bool = False):
@@ -660,7 +675,7 @@ def explain_statement(session: Session, statement: Statement) -> str | None:
         inner = explained(statement)
         return None if inner.kind == "plain" else f"{rewrite_statement(session, inner)};"
     except TraError as err:
-        raise _with_context(err, statement.where(), "statement") from None
+        raise with_context(err, statement.where(), "statement") from None
 
 
 def explain(session: Session, text: str) -> str:
@@ -671,5 +686,5 @@ def explain(session: Session, text: str) -> str:
         try:
             out.append(rewrite_statement(session, statement))
         except TraError as err:
-            raise _with_context(err, statement.where(), "statement") from None
+            raise with_context(err, statement.where(), "statement") from None
     return ";\n\n".join(s for s in out if s) + ";"

@@ -121,7 +121,7 @@ class SparkTraSession(Session):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. Use
     ``tra_sql.connect(engine="spark", ...)`` to make one. Building programs, ``numpy()``,
     ``arrow()``, ``store()``, ``grad()``, ``parameter()`` and ``train()`` work as on DuckDB;
-    ``relation()`` copies; ``sql()`` runs plain Spark SQL."""
+    ``relation()`` copies; ``sql()`` runs Spark SQL with the tensor syntax."""
 
     engine = "spark"
 
@@ -141,7 +141,7 @@ class SparkTraSession(Session):
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
                               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "tensor SQL syntax, Dropout)")
+                              "Dropout; tra_random, tra_from_elements and tra_elements in SQL)")
 
     def close(self) -> None:
         if self._owns:
@@ -289,11 +289,16 @@ class SparkTraSession(Session):
         return spark_train.train(self, loss, params, optimizer, epochs, **options)
 
     def sql(self, text: str, params=None):
-        """Run plain Spark SQL (no tensor syntax yet); a Spark DataFrame."""
-        try:
-            return self.spark.sql(text, args=params)
-        except Exception as err:
-            raise spark_udfs.translate(err, "SQL") from None
+        """Run Spark SQL with the tensor syntax of DuckDB sessions (``einsum``/``grad`` table
+        functions, CREATE/DROP TENSOR; see ``spark_frontend``); the last statement's result,
+        a Spark DataFrame (``None`` for CREATE/DROP TENSOR)."""
+        from tra_sql.backends import spark_frontend
+        return spark_frontend.run(self, text, params)
+
+    def explain_sql(self, text: str) -> str:
+        """The Spark SQL that ``sql(text)`` runs, statement by statement."""
+        from tra_sql.backends import spark_frontend
+        return spark_frontend.explain(self, text)
 
     # -- cluster resources, for the planner ---------------------------------------------
     def executors(self) -> int:
