@@ -24,7 +24,7 @@ from tra_sql.backends import spark_sql, transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
-from tra_sql.train import cross_entropy  # noqa: E402
+from tra_sql.train import Dropout, cross_entropy  # noqa: E402
 
 SMALL = {"driver_memory": "1g", "config": {"spark.sql.shuffle.partitions": "2"}}
 
@@ -210,6 +210,36 @@ def test_tensor_sql(sdb):
     with pytest.raises(tra_sql.ExecutionError, match="DuckDB only"):
         sdb.sql("SELECT * FROM tra_random(shape => [2, 2])")
     assert t["A"].name == "sA"
+
+
+def test_dropout_and_training_with_it_equal_duckdb(sdb, duck):
+    """Dropout on Spark: masks of larger tiles are DuckDB's (drawn per tile key), 1x1 tiles
+    are hashed per element (another hash than DuckDB's: uniform, reproducible per step); two
+    SGD steps through a dropout layer, resampled before each, give DuckDB's losses."""
+    ones = np.ones((12, 5))
+    for db in (sdb, duck):
+        db.from_numpy("dX", ones, tile=(4, 5), replace=True)
+    drops = [Dropout(db, "dmask", (12, 5), p=0.5, tile=(4, 5), seed=3) for db in (sdb, duck)]
+    masks = [d.apply(db.tensor("dX")).numpy() for d, db in zip(drops, (sdb, duck))]
+    np.testing.assert_array_equal(masks[0], masks[1])
+    assert set(np.unique(masks[0])) == {0.0, 2.0}
+    single = Dropout(sdb, "dsingle", (30, 20), p=0.25, tile=(1, 1), seed=5)
+    draws = sdb.tensor("dsingle").numpy()
+    assert ((draws >= 0) & (draws < 1)).all() and 0.15 < (draws < 0.25).mean() < 0.35
+    single.resample(1)
+    assert (sdb.tensor("dsingle").numpy() != draws).any()
+    single.resample(0)
+    np.testing.assert_array_equal(sdb.tensor("dsingle").numpy(), draws)
+    x, y, losses = np.random.default_rng(6).standard_normal((12, 5)), np.eye(3)[np.arange(12) % 3], []
+    for db, drop in zip((sdb, duck), drops):
+        X, Y = db.from_numpy("dlX", x, tile=(4, 5), replace=True), db.from_numpy("dlY", y, tile=(4, 3), replace=True)
+        W = db.from_numpy("dlW", np.full((5, 3), 0.1), replace=True)
+        loss = cross_entropy(db, db.einsum("nf,fc->nc", drop.apply(X), W), Y, 12)
+        history = db.train(loss, [W], SGD(lr=0.5), 2, run="dl", progress=False,
+                           before_step=lambda step, batch, d=drop: d.resample(step))
+        losses.append(history.losses)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-12)
+    assert losses[0][1] < losses[0][0]
 
 
 def test_shared_steps_run_once_and_leave_nothing(sdb):

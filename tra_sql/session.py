@@ -7,6 +7,7 @@ import re
 import duckdb
 import numpy as np
 import pyarrow as pa
+from sqlglot import exp
 
 from tra_sql import catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
@@ -99,6 +100,15 @@ class Session:
             raise translate(err, f"storing '{info.name}'") from None
         finally:
             self.con.unregister("_tra_import")
+        return self.tensor(info.name)
+
+    def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> Tensor:
+        """Store the tile relation ``query`` (columns ``k0..``, ``tile``; a sqlglot SELECT, any
+        engine renders it) as tensor ``info.name``, all or nothing."""
+        try:
+            catalog.create_tensor_table(self.con, info, query.sql(dialect="duckdb"), replace)
+        except duckdb.Error as err:
+            raise translate(err, f"storing '{info.name}'") from None
         return self.tensor(info.name)
 
     def tensor(self, name: str) -> Tensor:

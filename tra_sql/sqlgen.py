@@ -287,7 +287,7 @@ def _plus(value: exp.Expression, offset: int) -> exp.Expression:
     return exp.Add(this=value, expression=_num(offset)) if offset > 0 else exp.Sub(this=value, expression=_num(-offset))
 
 
-def _grid_table(g: int, size: int) -> exp.Table:
+def grid_table(g: int, size: int) -> exp.Table:
     """``range(0, size) AS r<g>(o)``: the output tile keys along one dimension."""
     return exp.Table(this=exp.Anonymous(this="range", expressions=[_num(0), _num(size)]),
                      alias=exp.TableAlias(this=exp.to_identifier(f"r{g}"), columns=[exp.to_identifier("o")]))
@@ -331,7 +331,7 @@ def _pieces_select(node: Place, m: int, ref: str) -> exp.Select:
         low = exp.IntDiv(this=exp.paren(origin.copy()), expression=_num(tile))
         high = exp.IntDiv(this=exp.paren(exp.Sub(this=end.copy(), expression=_num(1))), expression=_num(tile))
         target = exp.column("o", f"r{g}")
-        joins.append((_grid_table(g, grid), exp.Between(this=target, low=low, high=high)))
+        joins.append((grid_table(g, grid), exp.Between(this=target, low=low, high=high)))
         where += [exp.LT(this=origin.copy(), expression=_num(size)), exp.GT(this=end, expression=_num(0))]
         out_keys.append(target)
     if node.flat and node.shape:
@@ -370,7 +370,7 @@ def fill_select(node: Fill) -> exp.Select:
     call = exp.Anonymous(this="tra_fill", expressions=[meta, _array([k.copy() for k in keys])])
     select = exp.select(*_select_keys(keys, call))
     for d, grid in enumerate(node.grid):
-        table = _grid_table(d, grid)
+        table = grid_table(d, grid)
         select = select.from_(table) if d == 0 else select.join(table, join_type="CROSS")
     return select
 

@@ -28,13 +28,15 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import sqlglot
+from sqlglot import exp
 from tqdm.auto import tqdm
 
 from tra_sql import autodiff, catalog, graph, relations
 from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Einsum, Fill, Node, Place, Source
 from tra_sql.optim import Optimizer
-from tra_sql.sqlgen import Program
+from tra_sql.sqlgen import Program, grid_table
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -263,26 +265,27 @@ class Dropout:
         rank = len(self.shape)
         seed = int(self.seed) * 1_000_003 + int(step)
         if self.like is not None:
-            keys, source = ", ".join(f"k{d}" for d in range(rank)), f'"{self.like}"'
-        else:
-            keys = ", ".join(f"r{d}.k AS k{d}" for d in range(rank))
-            source = ", ".join(f"range({ceil(n / t)}) r{d}(k)" for d, (n, t) in enumerate(zip(self.shape, self.tile)))
-        columns = [f"k{d}" if self.like else f"r{d}.k" for d in range(rank)]
-        if all(t == 1 for t in self.tile):
+            columns = [f"k{d}" for d in range(rank)]
+            query = exp.select(*columns).from_(exp.to_table(self.like, quoted=True))
+        else:  # the tile keys: range() tables, one per dimension
+            columns = [f"r{d}.o" for d in range(rank)]
+            query = exp.select(*[exp.alias_(exp.cast(exp.column("o", f"r{d}"), "INTEGER"), f"k{d}")
+                                 for d in range(rank)])
+            for d, (n, t) in enumerate(zip(self.shape, self.tile)):
+                grid = grid_table(d, ceil(n / t))
+                query = query.from_(grid) if d == 0 else query.join(grid, join_type="CROSS")
+        if all(t == 1 for t in self.tile):  # hash(...) is unsigned on DuckDB, signed on Spark
             pack = "tra_pack" if self.dtype == np.float64 else "tra_pack_f32"
-            draw = f"{pack}((hash({', '.join(columns)}, {seed}) % 16777216) / 16777216.0)"
+            bits = f"hash({', '.join(columns)}, {seed}) % 16777216"
+            draw = f"{pack}((({bits}) + 16777216) % 16777216 / 16777216.0)"
         else:
             meta = json.dumps({"name": self.name, "dtype": self.dtype.name, "shape": list(self.shape),
                                "tile": list(self.tile), "seed": seed, "dist": "uniform"})
             draw = f"tra_random_tile('{meta}', [{', '.join(columns)}])"
         relations.ensure_udfs(self.db)
         self.db.ensure_udfs(["tra_random_tile"])
-        select = f"SELECT {keys}, {draw} AS tile FROM {source}"
-        if step and self.name.lower() in (t.lower() for t in self.db.tensors()):  # same catalog row: swap the rows
-            self.db.con.execute(f'CREATE OR REPLACE TABLE "{self.name}" AS {select}').fetchall()
-            return
-        info = catalog.TensorInfo(self.name, self.dtype, self.shape, self.tile)
-        catalog.create_tensor_table(self.db.con, info, select, replace=True)
+        query = query.select(exp.alias_(sqlglot.parse_one(draw, read="duckdb"), "tile"))
+        self.db.store_query(catalog.TensorInfo(self.name, self.dtype, self.shape, self.tile), query, replace=True)
 
     def apply(self, x: Tensor) -> Tensor:
         if x.shape != self.shape:

@@ -141,7 +141,7 @@ class SparkTraSession(Session):
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
                               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "Dropout; tra_random, tra_from_elements and tra_elements in SQL)")
+                              "tra_random, tra_from_elements and tra_elements in SQL)")
 
     def close(self) -> None:
         if self._owns:
@@ -281,6 +281,18 @@ class SparkTraSession(Session):
             except Exception as err:
                 raise spark_udfs.translate(err, f"storing '{name}'") from None
         return self.tensor(name)
+
+    def store_query(self, info: TensorInfo, query, replace: bool = False) -> Tensor:
+        """Store the tile relation ``query`` (a sqlglot SELECT of ``k0..``, ``tile``, rendered
+        in Spark's dialect) as tensor ``info.name``."""
+        try:
+            frame = self.spark.sql(query.sql(dialect="spark"))
+            self.warehouse.create(info.name, lambda d: frame.write.parquet(str(d)), info, replace)
+        except TraError:
+            raise
+        except Exception as err:
+            raise spark_udfs.translate(err, f"storing '{info.name}'") from None
+        return self.tensor(info.name)
 
     def train(self, loss, params, optimizer, epochs: int, **options):
         """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see
