@@ -179,10 +179,11 @@ def test_spark_sql_text(sdb):
     assert "AS MATERIALIZED" in t["A"].retile((10, 7)).reshape(37 * 29).sql("duckdb")
 
 
-def test_tensor_sql(sdb):
+def test_tensor_sql(sdb, duck):
     """The tensor SQL of DuckDB sessions on Spark: einsum/grad table functions in a lazy
-    SELECT, CREATE TENSOR (join, agg, WHERE on keys, reading the tensor it replaces), DROP
-    TENSOR, EXPLAIN; DuckDB-only functions and unknown tensors fail by name."""
+    SELECT, CREATE TENSOR (join, agg, WHERE on keys, reading the tensor it replaces),
+    tra_random and tra_from_elements (DuckDB's tensors), DROP TENSOR, EXPLAIN; tra_elements
+    (DuckDB-only) and unknown tensors fail by name."""
     t, d = load(sdb, "s"), arrays()
     a, b = d["A"], d["B"]
     rows = sdb.sql("SELECT count(*) AS n FROM einsum('ij,jk->ik', sA, sB) AS e WHERE e.k1 = 0").collect()
@@ -207,8 +208,21 @@ def test_tensor_sql(sdb):
     assert "sC" not in sdb.tensors()
     with pytest.raises(tra_sql.UnknownTensorError, match="'Nope'"):
         sdb.sql("SELECT * FROM einsum('ij->i', Nope)")
+    elements = [(0, 1, 2.0), (3, 2, 5.0), (3, 2, 1.0), (4, 0, -1.0)]
+    sdb.spark.createDataFrame(elements, "i int, j int, v double").createOrReplaceTempView("elems")
+    duck.con.execute("CREATE TABLE elems (i INTEGER, j INTEGER, v DOUBLE)").fetchall()
+    duck.con.executemany("INSERT INTO elems VALUES (?, ?, ?)", elements)
+    made = []
+    for db in (sdb, duck):
+        db.sql("""CREATE OR REPLACE TENSOR sR AS SELECT * FROM tra_random(shape => [5, 4], tile => [2, 3], seed => 7);
+                  CREATE OR REPLACE TENSOR sE AS SELECT * FROM einsum('ij,jk->ik', sR,
+                      tra_from_elements((SELECT j, i, v FROM elems), shape => [4, 5], tile => [3, 2]))""")
+        made.append((db.tensor("sR").numpy(), db.tensor("sE").numpy()))
+    for ours, theirs in zip(*made):
+        np.testing.assert_array_equal(ours, theirs)
     with pytest.raises(tra_sql.ExecutionError, match="DuckDB only"):
-        sdb.sql("SELECT * FROM tra_random(shape => [2, 2])")
+        sdb.sql("SELECT * FROM tra_elements(sA)")
+    assert not [v for v in sdb.spark.catalog.listTables() if v.name.startswith("_tra")]
     assert t["A"].name == "sA"
 
 

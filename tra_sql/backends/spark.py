@@ -141,7 +141,7 @@ class SparkTraSession(Session):
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
                               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "tra_random, tra_from_elements and tra_elements in SQL)")
+                              "tra_elements in SQL)")
 
     def close(self) -> None:
         if self._owns:

@@ -1,14 +1,15 @@
 """The tensor SQL of ``tra_sql.frontend`` on a Spark session.
 
-``einsum(...)`` and ``grad(...)`` table functions (nested as on DuckDB), ``CREATE [OR
-REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT * FROM <tensor> [WHERE <keys>]``, ``DROP
-TENSOR [IF EXISTS] name`` and ``EXPLAIN <statement>``. A statement with tensor syntax is
-read in DuckDB's dialect (the syntax is the same on both engines) and rendered in Spark's by
-sqlglot. Each tensor function in FROM is computed when the statement runs (its program's
+``einsum(...)``, ``grad(...)``, ``tra_random(...)`` and ``tra_from_elements(...)`` table
+functions (nested as on DuckDB), ``CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT
+* FROM <tensor> [WHERE <keys>]``, ``DROP TENSOR [IF EXISTS] name`` and ``EXPLAIN
+<statement>``. A statement with tensor syntax is read in DuckDB's dialect (the syntax is the
+same on both engines) and rendered in Spark's by sqlglot. Each tensor function in FROM is computed when the statement runs (its program's
 steps as ``SparkTraSession.frame`` runs them, the result kept as a local checkpoint) and read
 through a temporary view, dropped once Spark has analyzed the statement; the rest of a
-SELECT stays lazy: the result is a Spark DataFrame. ``tra_random``, ``tra_from_elements``
-and ``tra_elements`` are DuckDB-only so far. Statements without tensor syntax go to Spark
+SELECT stays lazy: the result is a Spark DataFrame. The tiles of ``tra_random`` and
+``tra_from_elements`` are temporary views too (lazy: read by the program that uses them).
+``tra_elements`` is DuckDB-only so far. Statements without tensor syntax go to Spark
 unchanged.
 """
 
@@ -24,12 +25,14 @@ from tra_sql.backends import spark_udfs
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import SQLError, TraError
 from tra_sql.frontend import CreateTensor, Statement
+from tra_sql.graph import Source, topological
 from tra_sql.tensor import Tensor
 
 if TYPE_CHECKING:
     from tra_sql.backends.spark import SparkTraSession
 
 DIALECT = "spark"
+UDFS = {"tra_random_tile", "tra_pack_tile"}  # what tra_random(...) and tra_from_elements(...) call
 
 
 class SparkRewriter(frontend.Rewriter):
@@ -44,9 +47,16 @@ class SparkRewriter(frontend.Rewriter):
     def query(self, tensor: Tensor) -> exp.Select:
         name = f"_tra_sql_{uuid.uuid4().hex[:12]}"
         program = tensor.program()
+        literals = {n.table: self.literals[n.table] for n in topological(tensor.node)
+                    if isinstance(n, Source) and n.table in self.literals}
         if self.explain:
+            self.views |= {table: select.sql(dialect=DIALECT) for table, select in literals.items()}
             self.views[name] = self.session.sql_text(program)
             return exp.select("*").from_(exp.to_table(name))
+        for table, select in literals.items():  # tra_random(...), tra_from_elements(...): views first
+            self.session.ensure_udfs({call.name.lower() for call in select.find_all(exp.Anonymous)} & UDFS)
+            plain(self.session, select.sql(dialect=DIALECT)).createOrReplaceTempView(table)
+            self.views[table] = ""
         with self.session.frame(program) as frame:
             try:
                 frame.localCheckpoint(eager=True).createOrReplaceTempView(name)
@@ -55,12 +65,10 @@ class SparkRewriter(frontend.Rewriter):
         self.views[name] = ""
         return exp.select("*").from_(exp.to_table(name))
 
-    def _duckdb_only(self, call: exp.Anonymous):
+    def elements(self, call: exp.Anonymous):
         from tra_sql.backends.spark import DuckDBOnlyError
-        raise DuckDBOnlyError(f"{call.name.lower()}() in SQL runs on DuckDB only so far; on Spark, "
-                              f"store the tensor with db.from_numpy() or db.relation() and name it")
-
-    _tra_random = _tra_from_elements = elements = _duckdb_only
+        raise DuckDBOnlyError("tra_elements() in SQL runs on DuckDB only so far; on Spark, read a "
+                              "tensor's elements with numpy() or arrow()")
 
     def drop_views(self) -> None:
         """Drop the views made for the statement (Spark has analyzed it: its plan keeps them)."""
