@@ -182,8 +182,8 @@ def test_spark_sql_text(sdb):
 def test_tensor_sql(sdb, duck):
     """The tensor SQL of DuckDB sessions on Spark: einsum/grad table functions in a lazy
     SELECT, CREATE TENSOR (join, agg, WHERE on keys, reading the tensor it replaces),
-    tra_random and tra_from_elements (DuckDB's tensors), DROP TENSOR, EXPLAIN; tra_elements
-    (DuckDB-only) and unknown tensors fail by name."""
+    tra_random, tra_from_elements and tra_elements (DuckDB's tensors and rows), DROP TENSOR,
+    EXPLAIN; unknown tensors fail by name."""
     t, d = load(sdb, "s"), arrays()
     a, b = d["A"], d["B"]
     rows = sdb.sql("SELECT count(*) AS n FROM einsum('ij,jk->ik', sA, sB) AS e WHERE e.k1 = 0").collect()
@@ -220,8 +220,10 @@ def test_tensor_sql(sdb, duck):
         made.append((db.tensor("sR").numpy(), db.tensor("sE").numpy()))
     for ours, theirs in zip(*made):
         np.testing.assert_array_equal(ours, theirs)
-    with pytest.raises(tra_sql.ExecutionError, match="DuckDB only"):
-        sdb.sql("SELECT * FROM tra_elements(sA)")
+    rows = [sorted(tuple(r) for r in rel) for rel in (
+        sdb.sql("SELECT i0, i1, value FROM tra_elements(sE) WHERE value <> 0").collect(),
+        duck.sql("SELECT i0, i1, value FROM tra_elements(sE) WHERE value <> 0").fetchall())]
+    assert rows[0] == rows[1] and len(rows[0]) == 15  # columns 0, 3 and 4 of sE
     assert not [v for v in sdb.spark.catalog.listTables() if v.name.startswith("_tra")]
     assert t["A"].name == "sA"
 

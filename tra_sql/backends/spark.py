@@ -140,8 +140,7 @@ class SparkTraSession(Session):
     @property
     def con(self):
         raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
-                              "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...); "
-                              "tra_elements in SQL)")
+                              "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...))")
 
     def close(self) -> None:
         if self._owns:

@@ -1,16 +1,16 @@
 """The tensor SQL of ``tra_sql.frontend`` on a Spark session.
 
-``einsum(...)``, ``grad(...)``, ``tra_random(...)`` and ``tra_from_elements(...)`` table
-functions (nested as on DuckDB), ``CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT
-* FROM <tensor> [WHERE <keys>]``, ``DROP TENSOR [IF EXISTS] name`` and ``EXPLAIN
-<statement>``. A statement with tensor syntax is read in DuckDB's dialect (the syntax is the
-same on both engines) and rendered in Spark's by sqlglot. Each tensor function in FROM is computed when the statement runs (its program's
-steps as ``SparkTraSession.frame`` runs them, the result kept as a local checkpoint) and read
-through a temporary view, dropped once Spark has analyzed the statement; the rest of a
-SELECT stays lazy: the result is a Spark DataFrame. The tiles of ``tra_random`` and
+``einsum(...)``, ``grad(...)``, ``tra_random(...)``, ``tra_from_elements(...)`` and
+``tra_elements(...)`` table functions (nested as on DuckDB), ``CREATE [OR REPLACE] TENSOR
+[IF NOT EXISTS] name AS SELECT * FROM <tensor> [WHERE <keys>]``, ``DROP TENSOR [IF EXISTS]
+name`` and ``EXPLAIN <statement>``. A statement with tensor syntax is read in DuckDB's
+dialect (the syntax is the same on both engines) and rendered in Spark's by sqlglot. Each
+tensor function in FROM is computed when the statement runs (its program's steps as
+``SparkTraSession.frame`` runs them, the result kept as a local checkpoint) and read through
+a temporary view, dropped once Spark has analyzed the statement; the rest of a SELECT stays
+lazy: the result is a Spark DataFrame. The tiles of ``tra_random`` and
 ``tra_from_elements`` are temporary views too (lazy: read by the program that uses them).
-``tra_elements`` is DuckDB-only so far. Statements without tensor syntax go to Spark
-unchanged.
+Statements without tensor syntax go to Spark unchanged.
 """
 
 from __future__ import annotations
@@ -65,10 +65,23 @@ class SparkRewriter(frontend.Rewriter):
         self.views[name] = ""
         return exp.select("*").from_(exp.to_table(name))
 
-    def elements(self, call: exp.Anonymous):
-        from tra_sql.backends.spark import DuckDBOnlyError
-        raise DuckDBOnlyError("tra_elements() in SQL runs on DuckDB only so far; on Spark, read a "
-                              "tensor's elements with numpy() or arrow()")
+    def elements(self, call: exp.Anonymous) -> exp.Select:
+        """``tra_elements(t)`` as on DuckDB, its two ``unnest`` (values, positions) one
+        ``posexplode`` on Spark."""
+        self.session.ensure_udfs(["tra_tile_values", "tra_tile_ints"])
+
+        def unnest(e: exp.Expression) -> bool:
+            return isinstance(e, exp.Alias) and isinstance(e.this, exp.Anonymous) and e.this.name.lower() == "unnest"
+
+        def explode(node: exp.Expression) -> exp.Expression:
+            if not isinstance(node, exp.Select) or not any(unnest(e) for e in node.expressions):
+                return node
+            kept = [e for e in node.expressions if not unnest(e)]
+            pairs = exp.Aliases(this=exp.Posexplode(this=exp.column("_v")),
+                                expressions=[exp.to_identifier("_p"), exp.to_identifier("value")])
+            return node.select(*kept, pairs, append=False)
+
+        return super().elements(call).transform(explode)
 
     def drop_views(self) -> None:
         """Drop the views made for the statement (Spark has analyzed it: its plan keeps them)."""
