@@ -43,6 +43,7 @@ class SparkRewriter(frontend.Rewriter):
         super().__init__(session)
         self.explain = explain
         self.views: dict[str, str] = {}  # view name -> the Spark script computing it (kept with explain)
+        self.checkpoints: list = []  # the computed tensors' checkpointed RDDs (JVM objects)
 
     def query(self, tensor: Tensor) -> exp.Select:
         name = f"_tra_sql_{uuid.uuid4().hex[:12]}"
@@ -59,9 +60,11 @@ class SparkRewriter(frontend.Rewriter):
             self.views[table] = ""
         with self.session.frame(program) as frame:
             try:
-                frame.localCheckpoint(eager=True).createOrReplaceTempView(name)
+                checkpoint = frame.localCheckpoint(eager=True)
             except Exception as err:
                 raise spark_udfs.translate(err, f"computing {tensor.node.label}") from None
+        checkpoint.createOrReplaceTempView(name)
+        self.checkpoints.append(checkpoint._jdf.queryExecution().logical().rdd())
         self.views[name] = ""
         return exp.select("*").from_(exp.to_table(name))
 
@@ -83,11 +86,14 @@ class SparkRewriter(frontend.Rewriter):
 
         return super().elements(call).transform(explode)
 
-    def drop_views(self) -> None:
-        """Drop the views made for the statement (Spark has analyzed it: its plan keeps them)."""
+    def drop_views(self, free: bool = False) -> None:
+        """Drop the views made for the statement (Spark has analyzed it: its plan keeps them);
+        with ``free``, also the checkpoints' blocks (the statement is done with them)."""
         if not self.explain:
             for name in self.views:
                 self.session.spark.catalog.dropTempView(name)
+        for rdd in self.checkpoints if free else ():
+            rdd.unpersist(False)
 
 
 def plain(session: SparkTraSession, text: str, params=None):
@@ -125,7 +131,7 @@ def _create(session: SparkTraSession, statement: Statement) -> None:
         except Exception as err:
             raise spark_udfs.translate(err, f"storing '{create.name}'") from None
     finally:
-        rewriter.drop_views()
+        rewriter.drop_views(free=True)
 
 
 def rewritten(session: SparkTraSession, statement: Statement) -> str:
