@@ -161,6 +161,27 @@ def test_layer_norm(db, put, torch, affine, dtype):
     close(got.numpy(), want, dtype)
 
 
+@pytest.mark.parametrize("tile", [(2, 3, 7), (3, 4, 7)])  # rows in uniform tiles (one stacked call), ragged ones
+def test_row_statistics_computed_in_the_step_that_reads_them(db, put, tile):
+    """With the normalized axis in one tile, layer norm's mean and variance and softmax's row
+    max and sum are computed inside the step that reads them: one step each. A statistic
+    read by two steps stays a step of its own."""
+    X, x = put((4, 6, 7), tile=tile, scale=3.0)
+    G, g = put((7,), tile=(7,))
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    e = np.exp(0.5 * x - (0.5 * x).max(-1, keepdims=True))
+    cases = [(nn.layer_norm(db, X, G), (x - mu) / np.sqrt(var + 1e-5) * g),
+             (nn.softmax(db, X, scale=0.5), e / e.sum(-1, keepdims=True)),
+             (nn.log_softmax(db, X), np.log(np_softmax(x)))]
+    for got, want in cases:
+        assert "MATERIALIZED" not in got.sql() and got.sql().count("TRA_EINSUM") == 1
+        close(got.numpy(), want, np.float64)
+    top = db.einsum("abz->ab", X, agg="max")
+    twice = db.einsum("abz,ab->abz", db.einsum("abz,ab->abz", X, top, join="x0 - x1"), top, join="x0 + x1")
+    assert twice.sql().count("AS MATERIALIZED") == 2
+    close(twice.numpy(), x, np.float64)
+
+
 def test_layer_norm_gain_only_rank4(db, put):
     X, x = put((2, 2, 3, 5), tile=(1, 2, 2, 2))
     G, g = put((5,), tile=(3,))

@@ -113,6 +113,7 @@ def programs(db, t, full: bool = True):
             "concat_slice": db.concat([t["A"][:5], t["A"][30:]], axis=0),
             "reshape_add_full": db.add(t["B"].reshape(23, 29), db.full((23, 29), 2.0, tile=(8, 16))),
             "attention": attention(db, t["A"]),
+            "layer_norm": nn.layer_norm(db, t["A"].retile((16, 29))),  # mean and variance inside one step
         }
     return out
 
@@ -134,6 +135,7 @@ def expected(full: bool = True):
                 "concat_slice": np.concatenate([a[:5], a[30:]]), "reshape_add_full": b.reshape(23, 29) + 2.0}
         e = np.exp(0.1 * a @ a.T - (0.1 * a @ a.T).max(1, keepdims=True))
         out["attention"] = e / e.sum(1, keepdims=True) @ a
+        out["layer_norm"] = (a - a.mean(1, keepdims=True)) / np.sqrt(a.var(1, keepdims=True) + 1e-5)
     return out
 
 

@@ -71,10 +71,7 @@ class Epilogue:
     names: list[str]
 
     def meta(self) -> dict:
-        node = self.node
-        return {"inputs": list(node.spec.inputs), "output": node.spec.output, "position": self.position,
-                "sizes": node.sizes, "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
-                "out_dtype": node.dtype.name, "names": self.names, "join": node.join, "agg": node.agg} | _layouts(node)
+        return _step_meta(self.node, self.names) | {"position": self.position}
 
 
 def _layouts(node: Einsum) -> dict:
@@ -125,21 +122,32 @@ def _operand_fields(inputs) -> list[exp.PropertyEQ]:
     return fields
 
 
-def einsum_select(node: Einsum, refs: list[str], names: list[str],
-                  epilogue: Epilogue | None = None) -> tuple[exp.Select, list[str]]:
+def _step_meta(node: Einsum, names: list[str]) -> dict:
+    """The kernel's description of ``node``: subscripts, sizes and tiles, dtypes, names, join."""
+    return {"inputs": list(node.spec.inputs), "output": node.spec.output, "sizes": node.sizes,
+            "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
+            "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg} | _layouts(node)
+
+
+def einsum_select(node: Einsum, refs: list[str], names: list[str], epilogue: Epilogue | None = None,
+                  prologue: tuple[int, ...] = ()) -> tuple[exp.Select, list[str]]:
     """The SELECT computing ``node`` (then ``epilogue``, if any) from the relations ``refs``,
-    and the UDFs it calls."""
+    and the UDFs it calls. The operands at ``prologue`` (see ``prologue_parts``; their refs
+    are ignored) are not joined: the kernel computes them from the others, in that order."""
     spec = node.spec
-    joins, where, first = _joins(spec.inputs, refs)
+    present = [m for m in range(len(spec.inputs)) if m not in prologue]
+    inputs = [spec.inputs[m] for m in present]
+    joins, where, first = _joins(inputs, [refs[m] for m in present])
+    refs = [refs[m] for m in present]
     out_keys = [first[c] for c in spec.output]
     split = [first[c] for c in spec.aggregated if node.tiles[c] < node.sizes[c]]
-    meta = {
-        "inputs": list(spec.inputs), "output": spec.output, "sizes": node.sizes,
-        "tiles": node.tiles, "dtypes": [op.dtype.name for op in node.operands],
-        "out_dtype": node.dtype.name, "names": names, "join": node.join, "agg": node.agg,
-    } | _layouts(node)
-    full_meta = _meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {}))
-    fields = _operand_fields(spec.inputs)
+    meta = _step_meta(node, names)
+    steps = [_step_meta(node.operands[p], [names[node.operands.index(src)] for src in node.operands[p].operands])
+             | {"position": p, "sources": [node.operands.index(src) for src in node.operands[p].operands]}
+             for p in prologue]
+    full_meta = _meta(meta | ({"epilogue": epilogue.meta()} if epilogue else {})
+                      | ({"prologue": steps} if steps else {}))
+    fields = _operand_fields(inputs)
     extras: list[exp.Expression] = []  # (keys, tile) of each epilogue operand, joined on the output keys
     if epilogue:
         position_of = {c: i for i, c in enumerate(epilogue.node.spec.output)}
@@ -199,6 +207,49 @@ def fusable(node: Node, consumers: Counter) -> int | None:
                 and sub == node.spec.output and op.tile == node.tile):
             return p
     return None
+
+
+def _statistic(op: Node, position: dict[int, int]) -> bool:
+    """Whether ``op`` is a reduction over whole tiles of dense operands at ``position``."""
+    return (isinstance(op, Einsum) and op.layout == "dense" and bool(op.spec.aggregated)
+            and all(op.tiles[c] == op.sizes[c] for c in op.spec.aggregated)
+            and all(id(src) in position and src.layout == "dense" for src in op.operands))
+
+
+def _aligned(node: Einsum, stat: Einsum, position: dict[int, int]) -> bool:
+    """Whether ``node`` joins ``stat`` on the indices ``stat`` keeps of its sources, so each
+    joined row's source tiles are exactly the ones ``stat``'s tile is computed from."""
+    letter: dict[str, str] = {}
+    for sub, src in zip(stat.spec.inputs, stat.operands):
+        for c, outer in zip(sub, node.spec.inputs[position[id(src)]]):
+            if letter.setdefault(c, outer) != outer:
+                return False
+    return all(letter.get(c) == outer for c, outer in zip(stat.spec.output, node.spec.inputs[position[id(stat)]]))
+
+
+def prologue_parts(node: Node, consumers: Counter) -> tuple[int, ...]:
+    """Positions of ``node``'s operands that its kernel computes itself, in the order to
+    compute them: row statistics (reductions over whole tiles, such as layer norm's mean and
+    variance or softmax's row max and sum) of its other operands that nothing else reads.
+    ``node`` must be element-wise (nothing aggregated), dense, its operands distinct."""
+    if not isinstance(node, Einsum) or node.spec.aggregated or node.layout != "dense":
+        return ()
+    operands = node.operands
+    position = {id(op): p for p, op in enumerate(operands)}
+    if len(position) != len(operands):
+        return ()
+    chosen = {p for p, op in enumerate(operands) if _statistic(op, position) and _aligned(node, op, position)}
+    while True:
+        uses = Counter(id(c) for n in (node, *(operands[p] for p in chosen)) for c in n.inputs)
+        kept = {p for p in chosen if consumers[id(operands[p])] == uses[id(operands[p])]}
+        if kept == chosen:
+            break
+        chosen = kept
+    order: list[int] = []
+    while len(order) < len(chosen):  # sources first
+        order += [p for p in sorted(chosen) if p not in order and all(
+            position[id(src)] in order or position[id(src)] not in chosen for src in operands[p].operands)]
+    return tuple(order) if len(order) < len(operands) else ()
 
 
 @dataclass(frozen=True)
@@ -391,7 +442,8 @@ class Program:
     def compile(cls, root: Node, *others: Node) -> Program:
         """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``);
         attention (softmax over scores, contracted with values) becomes one step (see
-        ``attention_parts``) and element-wise einsums over a contraction are fused into it
+        ``attention_parts``), an element-wise einsum computes the row statistics only it reads
+        (see ``prologue_parts``), and element-wise einsums over a contraction are fused into it
         (see ``fusable``)."""
         program = cls(root)
         order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
@@ -399,19 +451,24 @@ class Program:
         consumers.update(id(top) for top in (root, *others))  # a result stays a step of its own
         attention = {id(node): att for node in order if (att := attention_parts(node, consumers))}
         absorbed = {id(part) for att in attention.values() for part in att.absorbed}
+        prologues = {id(node): parts for node in order
+                     if id(node) not in absorbed and (parts := prologue_parts(node, consumers))}
+        absorbed |= {id(node.inputs[p]) for node in order for p in prologues.get(id(node), ())}
         fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None
-                 and id(node.inputs[p]) not in attention and id(node.inputs[p]) not in absorbed}
+                 and id(node) not in prologues and id(node.inputs[p]) not in attention
+                 and id(node.inputs[p]) not in absorbed}
         absorbed |= {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
         for node in order:
             if id(node) not in absorbed:
-                program._add(node, fused.get(id(node)), attention.get(id(node)))
+                program._add(node, fused.get(id(node)), attention.get(id(node)), prologues.get(id(node), ()))
         return program
 
     def _labels(self, nodes) -> tuple[list[str], list[str]]:
         refs = [self.refs[id(child)] for child in nodes]
         return refs, [child.table if isinstance(child, Source) else r for child, r in zip(nodes, refs)]
 
-    def _add(self, node: Node, epilogue_of: int | None = None, attention: Attention | None = None) -> None:
+    def _add(self, node: Node, epilogue_of: int | None = None, attention: Attention | None = None,
+             prologue: tuple[int, ...] = ()) -> None:
         if isinstance(node, Source):
             self.refs[id(node)] = node.table
             return
@@ -430,6 +487,13 @@ class Program:
             refs, labels = self._labels(inner.inputs)
             select, udfs = einsum_select(inner, refs, labels, Epilogue(node, epilogue_of, outer_refs, outer_labels))
             within = [inner]
+        elif prologue:
+            within = [node.inputs[p] for p in prologue]
+            refs, labels = self._labels([child for child in node.inputs if child not in within])
+            for p in prologue:  # computed in the kernel: no relation
+                refs.insert(p, "")
+                labels.insert(p, node.inputs[p].label)
+            select, udfs = einsum_select(node, refs, labels, prologue=prologue)
         elif isinstance(node, Einsum):
             refs, labels = self._labels(node.inputs)
             select, udfs = einsum_select(node, refs, labels)

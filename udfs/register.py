@@ -13,6 +13,8 @@ serves every einsum of its arity:
   Q, K, V (and a mask), see ``tra_sql.udfs.attention``;
 - ``tra_reduce(meta, out_keys, list(tile))``: one output tile per group, the aggregate of
   the partial results ``tra_einsum_<n>`` computed per joined row;
+- with a prologue (row statistics of the operands, ``meta["prologue"]``), those operands are
+  not arguments: the kernel computes them first from the others;
 - with an epilogue (an element-wise einsum fused into the step, ``meta["epilogue"]``), its
   other operands follow as (keys, tile) pairs: ``tra_einsum_<n+k>``,
   ``tra_einsum_agg_<n>_<k>(..., keys, tile, ...)`` and ``tra_reduce_<k>`` (one value per group);
@@ -124,9 +126,11 @@ class StepMeta:
     join: str | None
     agg: str
     epilogue: StepMeta | None = None  # an element-wise einsum applied to the result
-    position: int = 0  # where the result enters the epilogue's operands
+    position: int = 0  # an epilogue: where the result enters its operands; a prologue step: its operand
     layouts: tuple[str, ...] = ()  # per operand; empty: all dense
     out_layout: str = "dense"
+    prologue: tuple[StepMeta, ...] = ()  # operands the kernel computes first, from its other operands
+    sources: tuple[int, ...] = ()  # a prologue step: the operands it reads
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -140,7 +144,14 @@ class StepMeta:
             tuple(m["inputs"]), m["output"], m["sizes"], m["tiles"], tuple(m["dtypes"]),
             m["out_dtype"], tuple(m["names"]), m.get("join"), m.get("agg", "sum"),
             epilogue, m.get("position", 0), tuple(m.get("layouts", ())), m.get("out_layout", "dense"),
+            tuple(StepMeta.from_dict(step) for step in m.get("prologue", ())), tuple(m.get("sources", ())),
         )
+
+    @property
+    def present(self) -> list[int]:
+        """The operands whose tiles come in as arguments (the others: see ``prologue``)."""
+        computed = {step.position for step in self.prologue}
+        return [m for m in range(len(self.inputs)) if m not in computed]
 
     @property
     def others(self) -> list[int]:
@@ -245,6 +256,33 @@ def _stacked_call(meta: StepMeta, out: np.ndarray, tiles: list[np.ndarray]) -> N
         meta.batched.accumulate(out, tiles, scratch=False)
 
 
+def _with_prologue(meta: StepMeta, tiles: list, stacked: bool, count: int) -> list:
+    """Every operand's tiles, in operand order: the ``present`` ones (``tiles``) and the
+    prologue's, computed from them (stacked, or per row)."""
+    if not meta.prologue:
+        return tiles
+    full: list = [None] * len(meta.inputs)
+    for m, operand in zip(meta.present, tiles):
+        full[m] = operand
+    for step in meta.prologue:
+        dtype = step.result.dtype
+        if stacked:
+            sources = [full[s] for s in step.sources]
+            extent = {c: n for sub, t in zip(step.inputs, sources) for c, n in zip(sub, t.shape[1:])}
+            out = np.empty((count, *(extent[c] for c in step.output)), dtype=dtype)
+            _stacked_call(step, out, sources)
+        else:
+            out = []
+            for row in range(count):
+                sources = [full[s][row] for s in step.sources]
+                extent = {c: n for sub, t in zip(step.inputs, sources) for c, n in zip(sub, t.shape)}
+                out.append(np.empty([extent[c] for c in step.output], dtype=dtype))
+                step.kernel.init(out[-1])
+                step.kernel.accumulate(out[-1], sources, scratch=False)
+        full[step.position] = out
+    return full
+
+
 def _uniform(shapes: np.ndarray) -> bool:
     return len(shapes) > 0 and bool((shapes == shapes[0]).all())
 
@@ -255,7 +293,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
     rows = np.arange(len(out_keys))
-    own = 2 * len(meta.inputs)
+    own = 2 * len(meta.present)
     if meta.result.layout == "csr":
         tiles, _ = _operand_tiles(meta, operand_cols[:own], rows, False)
         results = []
@@ -266,7 +304,8 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
             results.append(buf)
         return sparse.concat(results)
     buf, offsets, shapes = _allocate(meta.result, out_keys)
-    tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes))
+    tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes), meta.present)
+    tiles = _with_prologue(meta, tiles, stacked, len(rows))
     if stacked:
         out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
         _stacked_call(meta, out, tiles)
