@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tra_sql.backends.spark import SparkTraSession
 
 DIALECT = "spark"
-UDFS = {"tra_random_tile", "tra_pack_tile"}  # what tra_random(...) and tra_from_elements(...) call
+LITERAL_UDFS = ["tra_random_tile", "tra_pack_tile"]  # what tra_random(...) and tra_from_elements(...) call
 
 
 class SparkRewriter(frontend.Rewriter):
@@ -55,7 +55,7 @@ class SparkRewriter(frontend.Rewriter):
             self.views[name] = self.session.sql_text(program)
             return exp.select("*").from_(exp.to_table(name))
         for table, select in literals.items():  # tra_random(...), tra_from_elements(...): views first
-            self.session.ensure_udfs({call.name.lower() for call in select.find_all(exp.Anonymous)} & UDFS)
+            self.session.ensure_udfs(LITERAL_UDFS)
             plain(self.session, select.sql(dialect=DIALECT)).createOrReplaceTempView(table)
             self.views[table] = ""
         with self.session.frame(program) as frame:
@@ -92,8 +92,9 @@ class SparkRewriter(frontend.Rewriter):
         if not self.explain:
             for name in self.views:
                 self.session.spark.catalog.dropTempView(name)
-        for rdd in self.checkpoints if free else ():
-            rdd.unpersist(False)
+        if free:
+            for rdd in self.checkpoints:
+                rdd.unpersist(False)
 
 
 def plain(session: SparkTraSession, text: str, params=None):
@@ -123,13 +124,7 @@ def _create(session: SparkTraSession, statement: Statement) -> None:
     try:
         tensor, query = rewriter.source(rewriter.parse(create.select))
         info = TensorInfo(create.name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        frame = plain(session, query.sql(dialect=DIALECT))
-        try:
-            session.warehouse.create(create.name, lambda d: frame.write.parquet(str(d)), info, create.replace)
-        except TraError:
-            raise
-        except Exception as err:
-            raise spark_udfs.translate(err, f"storing '{create.name}'") from None
+        session.store_query(info, query, create.replace)
     finally:
         rewriter.drop_views(free=True)
 
