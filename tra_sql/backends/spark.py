@@ -300,7 +300,7 @@ class SparkTraSession(Session):
         return spark_train.train(self, loss, params, optimizer, epochs, **options)
 
     def sql(self, text: str, params=None):
-        """Run Spark SQL with the tensor syntax of DuckDB sessions (``einsum``/``grad`` table
+        """Run Spark SQL with the tensor syntax of DuckDB sessions (the tensor table
         functions, CREATE/DROP TENSOR; see ``spark_frontend``); the last statement's result,
         a Spark DataFrame (``None`` for CREATE/DROP TENSOR)."""
         from tra_sql.backends import spark_frontend
