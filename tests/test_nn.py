@@ -320,8 +320,9 @@ def test_fused_attention_integer_operands(db, rng):
 
 
 def test_attention_steps_stay_apart_when_read_elsewhere(db, put):
-    """When the probabilities are read again (here: by the backward pass) or the head axis of
-    the scores is split over tiles, the steps compile one by one, with the same result."""
+    """When the probabilities are read again (here: by the backward pass), the contracted
+    head dimension is split over tiles, or V is shared by the heads, the steps compile one
+    by one, with the same result."""
     Q, q_ = put((2, 5, 2, 4))
     K, k_ = put((2, 6, 2, 4))
     V, v_ = put((2, 6, 2, 3))
