@@ -437,3 +437,31 @@ def test_fused_attention_property(case):
         out = fused_attention(db, Q, K, V, M, scale)
         assert "TRA_ATTENTION" in out.sql()
         close(out.numpy(), np_heads(q, k, v, True if mask is None else mask > 0, scale), np.float64)
+
+
+NORMALIZATIONS = ["layer_norm", "rms_norm", "softmax", "log_softmax"]
+
+
+@st.composite
+def normalization_cases(draw):
+    """A shape of rank 1-3, a tile per axis (the last axis whole or split), an op."""
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 3))))
+    tile = tuple(draw(st.integers(1, n)) for n in shape[:-1]) + (draw(st.sampled_from([shape[-1], 1, 2])),)
+    return shape, tuple(min(t, n) for t, n in zip(tile, shape)), draw(st.sampled_from(NORMALIZATIONS))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(normalization_cases())
+def test_normalizations_property(case):
+    """Normalizations over random shapes and tilings (statistics in the normalizing step when
+    the last axis is one tile, separate steps otherwise) against NumPy."""
+    shape, tile, op = case
+    x = np.random.default_rng(len(shape) + sum(shape)).standard_normal(shape) * 3
+    mu, ms = x.mean(-1, keepdims=True), (x * x).mean(-1, keepdims=True)
+    want = {"layer_norm": (x - mu) / np.sqrt(x.var(-1, keepdims=True) + 1e-5),
+            "rms_norm": x / np.sqrt(ms + 1e-6), "softmax": np_softmax(x), "log_softmax": np.log(np_softmax(x))}[op]
+    with tra_sql.connect() as db:
+        X = db.from_numpy("x", x, tile=tile)
+        got = getattr(nn, op)(db, X)
+        assert ("MATERIALIZED" not in got.sql()) == (tile[-1] == shape[-1])
+        close(got.numpy(), want, np.float64)
