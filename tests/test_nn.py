@@ -176,6 +176,11 @@ def test_row_statistics_computed_in_the_step_that_reads_them(db, put, tile):
     for got, want in cases:
         assert "MATERIALIZED" not in got.sql() and got.sql().count("TRA_EINSUM") == 1
         close(got.numpy(), want, np.float64)
+    mean = db.einsum("abz->ab", X, join="x0 / 7")  # statistics out of their order, an operand after them
+    var = db.einsum("abz,ab->ab", X, mean, join="(x0 - x1) * (x0 - x1) / 7")
+    normed = db.einsum("abz,ab,ab,z->abz", X, var, mean, G, join="(x0 - x2) / sqrt(x1 + 1e-5) * x3")
+    assert "MATERIALIZED" not in normed.sql()
+    close(normed.numpy(), cases[0][1], np.float64)
     top = db.einsum("abz->ab", X, agg="max")
     twice = db.einsum("abz,ab->abz", db.einsum("abz,ab->abz", X, top, join="x0 - x1"), top, join="x0 + x1")
     assert twice.sql().count("AS MATERIALIZED") == 2

@@ -490,7 +490,7 @@ class Program:
         elif prologue:
             within = [node.inputs[p] for p in prologue]
             refs, labels = self._labels([child for child in node.inputs if child not in within])
-            for p in prologue:  # computed in the kernel: no relation
+            for p in sorted(prologue):  # computed in the kernel: no relation
                 refs.insert(p, "")
                 labels.insert(p, node.inputs[p].label)
             select, udfs = einsum_select(node, refs, labels, prologue=prologue)
