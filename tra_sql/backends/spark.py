@@ -214,10 +214,7 @@ class SparkTraSession(Session):
         select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
         udfs = {c.name.lower() for c in select.find_all(exp.Anonymous)}
         self.ensure_udfs(udfs)
-        frame = self.sql(select.sql(dialect="spark"))
-        self.warehouse.create(name, lambda d: frame.write.parquet(str(d)),
-                              TensorInfo(name, dtype, shape, tile, layout), replace)
-        return self.tensor(name)
+        return self.store_query(TensorInfo(name, dtype, shape, tile, layout), select, replace)
 
     # -- running ------------------------------------------------------------------------
     def ensure_udfs(self, names) -> None:
@@ -273,20 +270,18 @@ class SparkTraSession(Session):
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
         info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
         with self.frame(tensor.program()) as frame:
-            try:
-                self.warehouse.create(name, lambda d: frame.write.parquet(str(d)), info, replace)
-            except TraError:
-                raise
-            except Exception as err:
-                raise spark_udfs.translate(err, f"storing '{name}'") from None
-        return self.tensor(name)
+            return self._write(info, lambda: frame, replace)
 
     def store_query(self, info: TensorInfo, query, replace: bool = False) -> Tensor:
         """Store the tile relation ``query`` (a sqlglot SELECT of ``k0..``, ``tile``, rendered
         in Spark's dialect) as tensor ``info.name``."""
+        return self._write(info, lambda: self.spark.sql(query.sql(dialect="spark")), replace)
+
+    def _write(self, info: TensorInfo, frame, replace: bool) -> Tensor:
+        """Write the DataFrame ``frame()`` as tensor ``info.name`` (Spark's errors as ``TraError``s)."""
         try:
-            frame = self.spark.sql(query.sql(dialect="spark"))
-            self.warehouse.create(info.name, lambda d: frame.write.parquet(str(d)), info, replace)
+            rows = frame()
+            self.warehouse.create(info.name, lambda d: rows.write.parquet(str(d)), info, replace)
         except TraError:
             raise
         except Exception as err:
