@@ -204,7 +204,8 @@ def test_contraction_gradient_stays_a_blas_contraction(db, rng):
     loss = db.einsum("ik->", db.einsum("ij,jk->ik", a, b), join="x0 * x0")
     ga = db.grad(loss, a)
     assert ga.node.join is None and ga.node.spec.inputs[1] == "jk"  # dA = dC B^T, the default product
-    assert "TRA_EINSUM" in ga.sql()
+    sql = ga.sql()
+    assert "TRA_EINSUM_" in sql or "TRA_CHAIN_" in sql  # dA's product may be chained after dC's step
 
 
 @pytest.mark.parametrize("agg", ["max", "min"])

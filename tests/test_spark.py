@@ -114,6 +114,7 @@ def programs(db, t, full: bool = True):
             "reshape_add_full": db.add(t["B"].reshape(23, 29), db.full((23, 29), 2.0, tile=(8, 16))),
             "attention": attention(db, t["A"]),
             "layer_norm": nn.layer_norm(db, t["A"].retile((16, 29))),  # mean and variance inside one step
+            "mlp": mlp(db, t),
         }
     return out
 
@@ -123,6 +124,12 @@ def attention(db, A):
     whole_rows = A.retile((16, 29))
     scores = db.einsum("qk,sk->qs", whole_rows, whole_rows)
     return db.einsum("qs,sv->qv", nn.softmax(db, scores, scale=0.1), A)
+
+
+def mlp(db, t):
+    """relu(A·B + V)·Bᵀ with row tiles of A and whole weights: one chained step."""
+    weight = t["B"].retile((29, 23))
+    return nn.mlp(db, t["A"].retile((16, 29)), [(weight, t["V"].retile((23,))), (weight.transpose(), None)])
 
 
 def expected(full: bool = True):
@@ -136,6 +143,7 @@ def expected(full: bool = True):
         e = np.exp(0.1 * a @ a.T - (0.1 * a @ a.T).max(1, keepdims=True))
         out["attention"] = e / e.sum(1, keepdims=True) @ a
         out["layer_norm"] = (a - a.mean(1, keepdims=True)) / np.sqrt(a.var(1, keepdims=True) + 1e-5)
+        out["mlp"] = np.maximum(a @ b + d["V"], 0) @ b.T
     return out
 
 
@@ -151,6 +159,7 @@ def test_programs_equal_duckdb(sdb, duck):
     want = expected()
     spark_programs = programs(sdb, load(sdb, "p"))
     assert "tra_attention_3" in sdb.sql_text(spark_programs["attention"].program()).lower()
+    assert "tra_chain_4" in sdb.sql_text(spark_programs["mlp"].program()).lower()
     ours = {k: v.numpy() for k, v in spark_programs.items()}
     theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "p")).items()}
     for k in want:

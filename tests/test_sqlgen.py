@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
+from tra_sql import nn
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -118,3 +119,77 @@ def test_shared_contraction_is_not_fused(db):
     T = db.einsum("ij,ij->ij", db.einsum("ij->ij", S, join="x0 + 1"), S, join="x0 * x1")
     assert '"epilogue"' not in flat(T)
     np.testing.assert_allclose(T.numpy(), (np.eye(3) * 4 + 1) * np.eye(3) * 4)
+
+
+def mlp(db, x, widths, rng, tiles=None):
+    """``nn.mlp`` over ``x`` with random weights (ReLU between layers; ``tiles``: each weight's
+    tiling, whole by default) and its NumPy value."""
+    layers, ref = [], x.numpy()
+    for n, (a, b) in enumerate(zip(widths, widths[1:])):
+        w, bias = rng.standard_normal((a, b)), rng.standard_normal(b)
+        tile = tiles[n] if tiles else (a, b)
+        layers.append((db.from_numpy(f"W{n}", w, tile=tile), db.from_numpy(f"b{n}", bias, tile=tile[1:])))
+        ref = ref @ w + bias
+        ref = np.maximum(ref, 0) if n < len(widths) - 2 else ref
+    return nn.mlp(db, x, layers), ref
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 6), min_size=3, max_size=5), st.integers(1, 9), st.data())
+def test_contraction_chain_is_one_step(widths, batch, data):
+    """An MLP at inference: each layer's matmul reads the previous layer's activation, which
+    nothing else reads; with whole weights every layer runs in one step, one kernel call per
+    batch tile (ragged ones too), and no activation becomes a relation."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    with tra_sql.connect() as db:
+        X = db.from_numpy("X", rng.standard_normal((batch, widths[0])),
+                          tile=(data.draw(st.integers(1, batch)), widths[0]))
+        Y, ref = mlp(db, X, widths, rng)
+        sql = flat(Y)
+        assert sql.count(f"TRA_CHAIN_{2 * (len(widths) - 1) + 1}(") == 1
+        assert "TRA_EINSUM" not in sql and "MATERIALIZED" not in sql
+        np.testing.assert_allclose(Y.numpy(), ref, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 6), min_size=3, max_size=4), st.integers(1, 6), st.data())
+def test_mlp_under_any_weight_tiling(widths, batch, data):
+    """Whatever the tiling, the MLP's value is NumPy's (chained where the tiling allows it)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    tile = lambda *dims: tuple(data.draw(st.integers(1, n)) for n in dims)
+    with tra_sql.connect() as db:
+        X = db.from_numpy("X", rng.standard_normal((batch, widths[0])), tile=tile(batch, widths[0]))
+        Y, ref = mlp(db, X, widths, rng, [tile(a, b) for a, b in zip(widths, widths[1:])])
+        np.testing.assert_allclose(Y.numpy(), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_chain_reads_its_operand_in_any_position(db):
+    rng = np.random.default_rng(3)
+    a, b, c = rng.standard_normal((4, 3, 5)), rng.standard_normal((4, 5, 2)), rng.standard_normal((6, 2))
+    A, B, C = db.from_numpy("A", a, tile=(3, 3, 5)), db.from_numpy("B", b, tile=(3, 5, 2)), db.from_numpy("C", c)
+    T = db.einsum("bij,bjk->bik", A, B)
+    U = db.einsum("lk,bik->bil", C, T)
+    assert flat(U).count("TRA_CHAIN_3(") == 1
+    np.testing.assert_allclose(U.numpy(), np.einsum("lk,bik->bil", c, a @ b))
+
+
+def test_chain_stops_where_a_step_would_be_repeated_or_shared(db):
+    """No chain when the intermediate is read twice, when the next contraction splits the
+    index it sums over, or when it splits an index the intermediate lacks (each intermediate
+    tile would be computed once per such tile)."""
+    rng = np.random.default_rng(4)
+    x, w, v = rng.standard_normal((6, 4)), rng.standard_normal((4, 5)), rng.standard_normal((5, 3))
+    X, W = db.from_numpy("X", x, tile=(3, 4)), db.from_numpy("W", w)
+    H = db.einsum("bi,ih->bh", X, W)
+    shared = db.einsum("bh,hk->bk", H, db.from_numpy("V", v))
+    both = db.einsum("bk,bh->bkh", shared, H)
+    split_sum = db.einsum("bh,hk->bk", db.einsum("bi,ih->bh", X, db.from_numpy("Wh", w, tile=(4, 2))),
+                          db.from_numpy("Vh", v, tile=(2, 3)))
+    split_out = db.einsum("bh,hk->bk", H, db.from_numpy("Vk", v, tile=(5, 2)))
+    assert flat(both).count("TRA_EINSUM_2(") == 1  # H a step of its own (``shared`` and ``both`` chained)
+    for program in (split_sum, split_out):
+        assert "TRA_CHAIN" not in flat(program)
+    h = x @ w
+    np.testing.assert_allclose(both.numpy(), np.einsum("bk,bh->bkh", h @ v, h))
+    np.testing.assert_allclose(split_sum.numpy(), h @ v)
+    np.testing.assert_allclose(split_out.numpy(), h @ v)

@@ -18,6 +18,7 @@ Everything is built as sqlglot expressions; ``Program.sql()`` renders a dialect.
 from __future__ import annotations
 
 import json
+import string
 from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
@@ -328,6 +329,96 @@ def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.S
     return select.group_by(*[k.copy() for k in out_keys]) if out_keys else select
 
 
+def chainable(node: Node) -> bool:
+    """Whether ``node`` can be a link of a ``Chain``: a dense contraction (plain join, sum)
+    whose aggregated indices are single tiles, so one kernel call per joined row computes it."""
+    return (isinstance(node, Einsum) and node.join is None and node.agg == "sum" and node.softmax is None
+            and node.layout == "dense" and all(op.layout == "dense" for op in node.operands)
+            and all(node.tiles[c] == node.sizes[c] for c in node.spec.aggregated))
+
+
+def feeds(node: Einsum, position: int) -> bool:
+    """Whether ``node`` can compute its operand ``position`` per joined row without doing it
+    twice: every index the operand lacks is a single tile (so each of its tiles joins one row)."""
+    sub = node.spec.inputs[position]
+    letters = set("".join(node.spec.inputs))
+    return len(set(sub)) == len(sub) and all(node.tiles[c] == node.sizes[c] for c in letters - set(sub))
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Contractions that each read the previous one's result, each with its fused element-wise
+    epilogue if any, computed one after another in one kernel call per joined row, so their
+    intermediate results never become relations (an MLP's layers at inference). ``steps``:
+    the einsums in order (the last is the chain's result); ``leaves``: the relations joined,
+    ``inputs`` their subscripts in the chain's letters, ``output`` the result's; ``sources``:
+    per step, each operand's origin (leaf ``m``, or ``-1 - k`` for step ``k``'s result)."""
+
+    steps: tuple[Einsum, ...]
+    leaves: tuple[Node, ...]
+    inputs: tuple[str, ...]
+    output: str
+    sources: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(links: list[tuple[Einsum, Einsum | None]]) -> Chain | None:
+        """The chain of ``links`` (contraction, epilogue or None), each link's contraction reading
+        the previous link's result; ``None`` if its indices need more than 52 letters."""
+        fresh = iter(string.ascii_letters)
+        steps: list[Einsum] = []
+        leaves: list[Node] = []
+        inputs: list[str] = []
+        sources: list[tuple[int, ...]] = []
+        result = ""
+        try:
+            for contraction, epilogue in links:
+                rename: dict[str, str] = {}
+                for sub, op in zip(contraction.spec.inputs, contraction.operands):
+                    if steps and op is steps[-1]:
+                        rename.update(zip(sub, result))
+                for c in "".join(contraction.spec.inputs):
+                    if c not in rename:
+                        rename[c] = next(fresh)
+                parts = [(contraction, rename)]
+                if epilogue is not None:  # its output's letters are the contraction's output's
+                    outer = dict(zip(epilogue.spec.output, (rename[c] for c in contraction.spec.output)))
+                    parts.append((epilogue, outer))
+                for node, names in parts:
+                    origin = []
+                    for sub, op in zip(node.spec.inputs, node.operands):
+                        if steps and op is steps[-1]:
+                            origin.append(-len(steps))
+                        else:
+                            origin.append(len(leaves))
+                            leaves.append(op)
+                            inputs.append("".join(names[c] for c in sub))
+                    steps.append(node)
+                    sources.append(tuple(origin))
+                    result = "".join(names[c] for c in node.spec.output)
+        except StopIteration:
+            return None
+        return Chain(tuple(steps), tuple(leaves), tuple(inputs), result, tuple(sources))
+
+
+def chain_select(chain: Chain, refs: list[str], names: list[str]) -> exp.Select:
+    """The chain's step: its leaves joined on their shared indices, one ``tra_chain_<n>``
+    call per joined row computing every step in turn."""
+    joins, where, first = _joins(chain.inputs, refs)
+    out_keys = [first[c] for c in chain.output]
+    sizes = {c: n for sub, op in zip(chain.inputs, chain.leaves) for c, n in zip(sub, op.shape)}
+    tiles = {c: t for sub, op in zip(chain.inputs, chain.leaves) for c, t in zip(sub, op.tile)}
+    labels = [*names, *(step.label for step in chain.steps)]
+    steps = [_step_meta(step, [labels[s if s >= 0 else len(names) - 1 - s] for s in origin])
+             | {"sources": list(origin)} for step, origin in zip(chain.steps, chain.sources)]
+    meta = _meta({"leaves": {"inputs": list(chain.inputs), "output": chain.output, "sizes": sizes, "tiles": tiles,
+                             "dtypes": [op.dtype.name for op in chain.leaves],
+                             "out_dtype": chain.steps[-1].dtype.name, "names": names, "join": None, "agg": "sum"},
+                  "steps": steps})
+    per_row = [_array([k.copy() for k in out_keys])] + [f.expression for f in _operand_fields(chain.inputs)]
+    call = exp.Anonymous(this=f"tra_chain_{len(refs)}", expressions=[meta] + per_row)
+    return _joined(refs[0], joins, where).select(*_select_keys(out_keys, call))
+
+
 def _num(value: int) -> exp.Literal:
     return exp.Literal.number(value)
 
@@ -426,6 +517,35 @@ def fill_select(node: Fill) -> exp.Select:
     return select
 
 
+def _chains(order: list[Node], consumers: Counter, fused: dict[int, int], taken: set[int]) -> dict[int, Chain]:
+    """The ``Chain`` of two or more links ending at each step that ends one, by the id of its
+    last node. A link is a ``chainable`` contraction with its fused epilogue, if any (``fused``:
+    epilogue id -> the contraction's position); it joins the chain of the link that produces
+    its operand (the longest such chain) when nothing else reads that operand and it ``feeds``
+    the contraction. Nodes in ``taken`` (absorbed by other fusions) are left alone."""
+    links: dict[int, tuple[Einsum, Einsum | None]] = {}
+    for node in order:
+        if id(node) in taken:
+            continue
+        if id(node) in fused:
+            inner = node.inputs[fused[id(node)]]
+            if chainable(inner):
+                links[id(node)] = (inner, node)
+        elif chainable(node):
+            links[id(node)] = (node, None)
+    runs: dict[int, list[tuple[Einsum, Einsum | None]]] = {}
+    for node in order:
+        if id(node) not in links:
+            continue
+        contraction = links[id(node)][0]
+        producers = [op for p, op in enumerate(contraction.operands)
+                     if id(op) in runs and consumers[id(op)] == 1 and feeds(contraction, p)]
+        longest = max(producers, key=lambda op: len(runs[id(op)]), default=None)
+        runs[id(node)] = ([] if longest is None else runs.pop(id(longest))) + [links[id(node)]]
+    chains = {key: Chain.of(run) for key, run in runs.items() if len(run) > 1}
+    return {key: chain for key, chain in chains.items() if chain is not None}
+
+
 @dataclass
 class Program:
     """The SQL of a DAG: one SELECT per computed node (a materialized CTE, but for the root,
@@ -458,9 +578,12 @@ class Program:
                  and id(node) not in prologues and id(node.inputs[p]) not in attention
                  and id(node.inputs[p]) not in absorbed}
         absorbed |= {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
+        chains = _chains(order, consumers, fused, absorbed | set(attention) | set(prologues))
+        absorbed |= {id(step) for chain in chains.values() for step in chain.steps[:-1]}
         for node in order:
             if id(node) not in absorbed:
-                program._add(node, fused.get(id(node)), attention.get(id(node)), prologues.get(id(node), ()))
+                program._add(node, fused.get(id(node)), attention.get(id(node)), prologues.get(id(node), ()),
+                             chains.get(id(node)))
         return program
 
     def _labels(self, nodes) -> tuple[list[str], list[str]]:
@@ -468,13 +591,17 @@ class Program:
         return refs, [child.table if isinstance(child, Source) else r for child, r in zip(nodes, refs)]
 
     def _add(self, node: Node, epilogue_of: int | None = None, attention: Attention | None = None,
-             prologue: tuple[int, ...] = ()) -> None:
+             prologue: tuple[int, ...] = (), chain: Chain | None = None) -> None:
         if isinstance(node, Source):
             self.refs[id(node)] = node.table
             return
         name = f"_t{len(self.ctes) + 1}"
         within: list[Node] = []  # absorbed nodes, computed by this step too
-        if attention is not None:
+        if chain is not None:
+            refs, labels = self._labels(chain.leaves)
+            select, udfs = chain_select(chain, refs, labels), [f"tra_chain_{len(refs)}"]
+            within = list(chain.steps[:-1])
+        elif attention is not None:
             refs, labels = self._labels(attention.operands)
             select, udfs = attention_select(attention, refs, labels), [f"tra_attention_{len(refs)}"]
             within = list(attention.absorbed)

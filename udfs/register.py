@@ -11,6 +11,8 @@ serves every einsum of its arity:
   join + aggregate);
 - ``tra_attention_<n>(meta, out_keys, list({keys0, tile0, ...}))``: fused attention over
   Q, K, V (and a mask), see ``tra_sql.udfs.attention``;
+- ``tra_chain_<n>(meta, out_keys, keys_0, tile_0, ...)``: one output tile per joined row,
+  computed through a chain of steps (contractions reading the previous one's result);
 - ``tra_reduce(meta, out_keys, list(tile))``: one output tile per group, the aggregate of
   the partial results ``tra_einsum_<n>`` computed per joined row;
 - with a prologue (row statistics of the operands, ``meta["prologue"]``), those operands are
@@ -256,6 +258,25 @@ def _stacked_call(meta: StepMeta, out: np.ndarray, tiles: list[np.ndarray]) -> N
         meta.batched.accumulate(out, tiles, scratch=False)
 
 
+def _computed(step: StepMeta, sources: list, stacked: bool, count: int):
+    """``step``'s result for each of ``count`` rows from its operands' tiles ``sources``
+    (stacked arrays, or lists of per-row tiles), in the same form."""
+    dtype = step.result.dtype
+    if stacked:
+        extent = {c: n for sub, t in zip(step.inputs, sources) for c, n in zip(sub, t.shape[1:])}
+        out = np.empty((count, *(extent[c] for c in step.output)), dtype=dtype)
+        _stacked_call(step, out, sources)
+        return out
+    results = []
+    for row in range(count):
+        tiles = [t[row] for t in sources]
+        extent = {c: n for sub, t in zip(step.inputs, tiles) for c, n in zip(sub, t.shape)}
+        results.append(np.empty([extent[c] for c in step.output], dtype=dtype))
+        step.kernel.init(results[-1])
+        step.kernel.accumulate(results[-1], tiles, scratch=False)
+    return results
+
+
 def _with_prologue(meta: StepMeta, tiles: list, stacked: bool, count: int) -> list:
     """Every operand's tiles, in operand order: the ``present`` ones (``tiles``) and the
     prologue's, computed from them (stacked, or per row)."""
@@ -265,21 +286,7 @@ def _with_prologue(meta: StepMeta, tiles: list, stacked: bool, count: int) -> li
     for m, operand in zip(meta.present, tiles):
         full[m] = operand
     for step in meta.prologue:
-        dtype = step.result.dtype
-        if stacked:
-            sources = [full[s] for s in step.sources]
-            extent = {c: n for sub, t in zip(step.inputs, sources) for c, n in zip(sub, t.shape[1:])}
-            out = np.empty((count, *(extent[c] for c in step.output)), dtype=dtype)
-            _stacked_call(step, out, sources)
-        else:
-            out = []
-            for row in range(count):
-                sources = [full[s][row] for s in step.sources]
-                extent = {c: n for sub, t in zip(step.inputs, sources) for c, n in zip(sub, t.shape)}
-                out.append(np.empty([extent[c] for c in step.output], dtype=dtype))
-                step.kernel.init(out[-1])
-                step.kernel.accumulate(out[-1], sources, scratch=False)
-        full[step.position] = out
+        full[step.position] = _computed(step, [full[s] for s in step.sources], stacked, count)
     return full
 
 
@@ -315,6 +322,46 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
             meta.kernel.init(out)
             meta.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
+
+
+@dataclass(frozen=True)
+class ChainMeta:
+    """The parsed ``meta`` of ``tra_chain_<n>``: the joined relations (``leaves``: their
+    subscripts in the chain's letters, and the result's) and the steps, each reading leaves
+    and earlier steps' results (``sources``: leaf ``m``, or ``-1 - k`` for step ``k``)."""
+
+    leaves: StepMeta
+    steps: tuple[StepMeta, ...]
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def parse(text: str) -> ChainMeta:
+        m = json.loads(text)
+        return ChainMeta(StepMeta.from_dict(m["leaves"]), tuple(StepMeta.from_dict(step) for step in m["steps"]))
+
+
+def chain_rows(meta_col, out_keys_col, *operand_cols):
+    """``tra_chain_<n>``: per joined row, the chain's steps one after another (see
+    ``tra_sql.sqlgen.Chain``); only the last one's tile is returned."""
+    meta = ChainMeta.parse(first_string(meta_col))
+    out_keys = key_matrix(out_keys_col, len(meta.leaves.output))
+    rows = np.arange(len(out_keys))
+    buf, offsets, shapes = _allocate(meta.leaves.result, out_keys)
+    leaves, stacked = _operand_tiles(meta.leaves, operand_cols, rows, _uniform(shapes))
+    results: list = []
+    for step in meta.steps[:-1]:
+        results.append(_computed(step, [leaves[s] if s >= 0 else results[-1 - s] for s in step.sources],
+                                 stacked, len(rows)))
+    last = meta.steps[-1]
+    sources = [leaves[s] if s >= 0 else results[-1 - s] for s in last.sources]
+    if stacked:
+        _stacked_call(last, buf.view(last.result.dtype).reshape(len(rows), *shapes[0]), sources)
+    else:
+        for row in rows:
+            out = _out_view(buf, offsets, row, shapes[row], last.result.dtype)
+            last.kernel.init(out)
+            last.kernel.accumulate(out, [t[row] for t in sources], scratch=False)
+    return binary_array(buf, offsets)
 
 
 def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
@@ -474,6 +521,9 @@ def _signature(name: str):
     if attention:  # (keys, tile) of Q, K, V and the mask, if any, per joined row
         from tra_sql.udfs.attention import attention_groups
         return attention_groups, [VARCHAR, keys, _rows_type(int(attention.group(1)))], BLOB
+    chain = re.fullmatch(r"tra_chain_(\d+)", name)
+    if chain:  # (keys, tile) of each joined relation
+        return chain_rows, [VARCHAR, keys] + [keys, BLOB] * int(chain.group(1)), BLOB
     match = re.fullmatch(r"tra_einsum(_agg)?_(\d+)(?:_(\d+))?", name)
     if not match or (match.group(3) and not match.group(1)):
         raise ValueError(f"no tile UDF is named {name!r}")
