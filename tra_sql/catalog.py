@@ -21,6 +21,7 @@ from tra_sql.errors import (
     UnknownTensorError,
 )
 from tra_sql.udfs import sparse
+from tra_sql.udfs.arrowio import binary_views
 
 CATALOG_TABLE = "tra_tensors"
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -179,17 +180,12 @@ def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     if outside.any():
         key = tuple(int(k) for k in keys[int(np.argmax(outside))])
         raise CorruptTileError(f"tensor '{info.name}' has a tile at key {key} outside its grid {info.grid}")
-    blobs = tiles.column("tile").combine_chunks()
-    _, offsets_buf, data_buf = blobs.buffers()
-    offset_type = np.int64 if pa.types.is_large_binary(blobs.type) else np.int32
-    offsets = np.frombuffer(offsets_buf, offset_type)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
-    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.empty(0, np.uint8)
+    data, offsets, valid = binary_views(tiles.column("tile"))  # no copy of a one-chunk result
     tile = np.array(info.tile, dtype=np.int64)
     shapes = np.minimum(tile, np.array(info.shape, dtype=np.int64) - keys * tile)
     if info.layout == "csr":
-        return _assemble_csr(info, out, keys, shapes, data, offsets, blobs.is_valid().to_numpy(zero_copy_only=False))
+        return _assemble_csr(info, out, keys, shapes, data, offsets, valid)
     expected = np.prod(shapes, axis=1, dtype=np.int64) * info.dtype.itemsize
-    valid = blobs.is_valid().to_numpy(zero_copy_only=False)
     bad = ~valid | (np.diff(offsets) != expected)
     if bad.any():
         i = int(np.argmax(bad))
