@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import nn
+from tra_sql import nn, sqlgen
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -193,3 +193,17 @@ def test_chain_stops_where_a_step_would_be_repeated_or_shared(db):
     np.testing.assert_allclose(both.numpy(), np.einsum("bk,bh->bkh", h @ v, h))
     np.testing.assert_allclose(split_sum.numpy(), h @ v)
     np.testing.assert_allclose(split_out.numpy(), h @ v)
+
+
+def test_chain_with_too_many_input_bytes_per_call_stays_steps(db, monkeypatch):
+    """Each joined row carries every weight's tile: past ``CHAIN_CALL_BYTES`` per kernel call,
+    the layers run as steps."""
+    rng = np.random.default_rng(5)
+    X = db.from_numpy("X", rng.standard_normal((8, 4)), tile=(2, 4))
+    Y, ref = mlp(db, X, [4, 6, 3], rng)
+    per_row = (2 * 4 + 4 * 6 + 6 + 6 * 3 + 3) * 8
+    monkeypatch.setattr(sqlgen, "CHAIN_CALL_BYTES", 4 * per_row)
+    assert "TRA_CHAIN_5(" in flat(Y)
+    monkeypatch.setattr(sqlgen, "CHAIN_CALL_BYTES", 4 * per_row - 1)
+    assert "TRA_CHAIN" not in flat(Y)
+    np.testing.assert_allclose(Y.numpy(), ref)

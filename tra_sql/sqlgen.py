@@ -21,7 +21,7 @@ import json
 import string
 from collections import Counter
 from dataclasses import dataclass, field
-from math import prod
+from math import ceil, prod
 
 import numpy as np
 from sqlglot import exp
@@ -31,6 +31,8 @@ from tra_sql.udfs.attention import Roles
 
 KEY_TYPE = "BIGINT[]"
 PLAIN_CTE_DIALECTS = {"spark", "spark2", "databricks", "hive"}  # no ``AS MATERIALIZED``
+CHAIN_CALL_BYTES = 1 << 30  # the most input bytes a chain's kernel call may receive (else: steps)
+BATCH_ROWS = 2048  # the most rows a UDF call receives
 
 
 def key(d: int) -> str:
@@ -399,6 +401,14 @@ class Chain:
             return None
         return Chain(tuple(steps), tuple(leaves), tuple(inputs), result, tuple(sources))
 
+    def call_bytes(self) -> int:
+        """The input bytes of the largest kernel call: every joined row (one per output tile)
+        carries a tile of every leaf, weights included, so a chain of many large weights over
+        many row tiles is better run as steps."""
+        grid = {c: ceil(n / t) for sub, op in zip(self.inputs, self.leaves) for c, n, t in zip(sub, op.shape, op.tile)}
+        per_row = sum(prod(op.tile) * op.dtype.itemsize for op in self.leaves)
+        return min(prod(grid[c] for c in self.output), BATCH_ROWS) * per_row
+
 
 def chain_select(chain: Chain, refs: list[str], names: list[str]) -> exp.Select:
     """The chain's step: its leaves joined on their shared indices, one ``tra_chain_<n>``
@@ -522,7 +532,8 @@ def _chains(order: list[Node], consumers: Counter, fused: dict[int, int], taken:
     last node. A link is a ``chainable`` contraction with its fused epilogue, if any (``fused``:
     epilogue id -> the contraction's position); it joins the chain of the link that produces
     its operand (the longest such chain) when nothing else reads that operand and it ``feeds``
-    the contraction. Nodes in ``taken`` (absorbed by other fusions) are left alone."""
+    the contraction. Nodes in ``taken`` (absorbed by other fusions) are left alone; a chain
+    whose kernel calls would receive over ``CHAIN_CALL_BYTES`` stays steps."""
     links: dict[int, tuple[Einsum, Einsum | None]] = {}
     for node in order:
         if id(node) in taken:
@@ -543,7 +554,7 @@ def _chains(order: list[Node], consumers: Counter, fused: dict[int, int], taken:
         longest = max(producers, key=lambda op: len(runs[id(op)]), default=None)
         runs[id(node)] = ([] if longest is None else runs.pop(id(longest))) + [links[id(node)]]
     chains = {key: Chain.of(run) for key, run in runs.items() if len(run) > 1}
-    return {key: chain for key, chain in chains.items() if chain is not None}
+    return {key: chain for key, chain in chains.items() if chain is not None and chain.call_bytes() <= CHAIN_CALL_BYTES}
 
 
 @dataclass
