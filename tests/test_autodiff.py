@@ -274,6 +274,23 @@ def test_fan_out_and_intermediate_targets(db, rng):
     np.testing.assert_allclose(gh.numpy(), th.grad.numpy(), atol=1e-12)
 
 
+def test_fan_out_of_gradients_missing_tiles_is_a_keyed_sum(db):
+    """Where the contributions may lack tiles (a relation with empty blocks), they add as a keyed
+    sum, absent tiles counting as zeros; complete ones add in a join (test_sparse)."""
+    db.con.execute("CREATE TABLE pts AS SELECT * FROM (VALUES (0, 1, 1.5), (3, 2, -2.0)) t(i, j, v)").fetchall()
+    E = db.relation("pts", keys=("i", "j"), value="v", shape=(4, 4), tile=(2, 2))  # tiles (0, 0), (1, 1)
+    X = np.arange(16.0).reshape(4, 4) / 10
+    x = db.from_numpy("x", X, tile=(2, 2))
+    y = db.einsum("ij,ij->ij", E, x)
+    loss = db.einsum("ij,ij->", y, db.einsum("ij->ij", y, join="tanh(x0)"))  # y read twice
+    (gx,) = db.grad(loss, [x])
+    assert "TRA_PLACE" in gx.sql()
+    tx = torch.tensor(X, requires_grad=True)
+    ty = torch.tensor(E.numpy()) * tx
+    (ty * torch.tanh(ty)).sum().backward()
+    np.testing.assert_allclose(gx.numpy(), tx.grad.numpy(), atol=1e-12)
+
+
 def test_unreached_parameter_gets_zeros_and_bad_calls_raise(db, rng):
     x = db.from_numpy("x", rng.standard_normal(3))
     w = db.from_numpy("w", rng.standard_normal(3))

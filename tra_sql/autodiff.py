@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 @dataclass
 class Context:
     """What the rules need from outside the graph: whether a relation has every tile
-    (``dense``) and identity matrices for indices repeated inside one operand (``eye``)."""
+    (``source_dense``) and identity matrices for indices repeated inside one operand (``eye``)."""
 
     source_dense: Callable[[Source], bool]
     eye: Callable[[int, np.dtype], Node]
@@ -54,28 +54,31 @@ class Context:
     tight: set[tuple[int, int]] = field(default_factory=set)
 
     def dense(self, node: Node) -> bool:
-        """Whether every tile key of ``node`` is present (absent tiles are zeros otherwise)."""
+        """Whether every element of ``node`` is held: a dense tile at every key (absent tiles,
+        and the elements a CSR tile leaves out, are zeros)."""
+        return node.layout == "dense" and self.complete(node)
+
+    def complete(self, node: Node) -> bool:
+        """Whether a tile is present at every key of ``node`` (whatever its layout)."""
         if id(node) not in self.memo:
-            self.memo[id(node)] = self._dense(node)
+            self.memo[id(node)] = self._complete(node)
         return self.memo[id(node)]
 
-    def _dense(self, node: Node) -> bool:
-        if node.layout != "dense":  # CSR tiles: absent elements, whatever tiles are present
-            return False
+    def _complete(self, node: Node) -> bool:
         if isinstance(node, Fill):
             return True
         if isinstance(node, Source):
             return self.source_dense(node)
-        if isinstance(node, Einsum):
-            return all(self.dense(op) for op in node.operands)
+        if isinstance(node, Einsum):  # an inner join of complete operands has every output key
+            return all(self.complete(op) for op in node.operands)
         if isinstance(node, Place):
             if node.flat:
-                return self.dense(node.sources[0])
+                return self.complete(node.sources[0])
             volumes = [_covered(node, m) for m in range(len(node.sources))]
             total = prod(node.shape)
             if node.add:
-                return any(v == total and self.dense(s) for v, s in zip(volumes, node.sources))
-            return all(self.dense(s) for s in node.sources) and sum(volumes) >= total
+                return any(v == total and self.complete(s) for v, s in zip(volumes, node.sources))
+            return all(self.complete(s) for s in node.sources) and sum(volumes) >= total
         return False
 
 
@@ -112,7 +115,7 @@ def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None =
         parts = adjoint.pop(id(node), None)
         if not parts or id(node) not in needs:
             continue
-        g = parts[0] if len(parts) == 1 else graph.add(parts)
+        g = parts[0] if len(parts) == 1 else _sum(parts, ctx)
         if all((id(node), id(p)) in ctx.tight for p in parts):
             ctx.tight.add((id(node), id(g)))
         if id(node) in targets:
@@ -133,6 +136,18 @@ def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None =
             g = graph.einsum(f"{idx},{idx}->{idx}", [g, w], ["gradient", w.label], join="x0")
         out.append(graph.retile(g, w.tile))
     return out
+
+
+def _sum(parts: list[Node], ctx: Context) -> Node:
+    """The fan-out sum of gradient contributions: an element-wise einsum where each has a dense
+    tile at every key in one tiling (so it can fuse into the step computing one of them), else
+    a keyed sum (absent tiles are zeros)."""
+    first = parts[0]
+    if all(p.layout == "dense" and p.tile == first.tile and ctx.complete(p) for p in parts):
+        idx = _letters(len(first.shape))
+        join = " + ".join(f"x{m}" for m in range(len(parts)))
+        return graph.einsum(",".join([idx] * len(parts)) + "->" + idx, parts, ["gradient"] * len(parts), join)
+    return graph.add(parts)
 
 
 def _letters(n: int) -> str:

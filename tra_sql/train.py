@@ -368,7 +368,7 @@ class Trainer:
             grads = autodiff.grad(self.db, loss, self.params)
             roots: dict[str, Node] = {"loss": loss.node}
             for name, w, g in zip(self.names, self.params, grads):
-                if not autodiff.context(self.db).dense(g.node):  # absent gradient tiles are zeros
+                if not autodiff.context(self.db).complete(g.node):  # absent gradient tiles are zeros
                     g = self.db.add(g, self.db.zeros(w.shape, w.dtype, w.tile))
                 state = {slot: self.state[(name, slot)] for slot in self.optimizer.slots}
                 scalars = self.scalars["float32" if w.dtype == np.float32 else "float64"]
