@@ -284,11 +284,11 @@ def test_shared_steps_run_once_and_leave_nothing(sdb):
     shared = sdb.einsum("ij,kj->ik", sdb.from_numpy("vA", a, replace=True), "vA")
     out = sdb.einsum("ik,ik->ik", shared, sdb.einsum("ij->ij", shared, join="x0 + 1"), join="x0 * x1")
     text = sdb.sql_text(out.program())
-    assert text.count("CREATE TEMPORARY VIEW") == 2
+    assert text.count("CREATE TEMPORARY VIEW") == 1  # the product; ``+ 1`` and the product chained
     persisted = persistent_rdds(sdb)
-    with sdb.frame(out.program()) as frame:  # the product runs in its checkpoint, read twice; 2 steps read it
+    with sdb.frame(out.program()) as frame:  # the product runs in its checkpoint, which the chain reads twice
         plan = frame._jdf.queryExecution().executedPlan().toString()
-        assert plan.count("Scan ExistingRDD") == 2 and plan.count("ArrowEvalPython") == 2
+        assert plan.count("Scan ExistingRDD") == 2 and plan.count("ArrowEvalPython") == 1
     g = a @ a.T
     np.testing.assert_allclose(out.numpy(), g * (g + 1))
     assert not [t for t in sdb.spark.catalog.listTables() if t.isTemporary]

@@ -207,3 +207,16 @@ def test_chain_with_too_many_input_bytes_per_call_stays_steps(db, monkeypatch):
     monkeypatch.setattr(sqlgen, "CHAIN_CALL_BYTES", 4 * per_row - 1)
     assert "TRA_CHAIN" not in flat(Y)
     np.testing.assert_allclose(Y.numpy(), ref)
+
+
+def test_element_wise_steps_and_reductions_chain_too(db):
+    """A join, a max over a single-tile index and a join again: one chained step, ragged row
+    tiles included."""
+    rng = np.random.default_rng(6)
+    x, w = rng.standard_normal((7, 5)), rng.standard_normal(5)
+    X, W = db.from_numpy("X", x, tile=(3, 5)), db.from_numpy("W", w)
+    top = db.einsum("ij,j->i", db.einsum("ij->ij", X, join="tanh(x0)"), W, join="x0 * x1", agg="max")
+    out = db.einsum("i->i", top, join="exp(x0)")
+    sql = flat(out)
+    assert sql.count("TRA_CHAIN_2(") == 1 and "MATERIALIZED" not in sql
+    np.testing.assert_allclose(out.numpy(), np.exp((np.tanh(x) * w).max(axis=1)))

@@ -332,10 +332,9 @@ def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.S
 
 
 def chainable(node: Node) -> bool:
-    """Whether ``node`` can be a link of a ``Chain``: a dense contraction (plain join, sum)
-    whose aggregated indices are single tiles, so one kernel call per joined row computes it."""
-    return (isinstance(node, Einsum) and node.join is None and node.agg == "sum" and node.softmax is None
-            and node.layout == "dense" and all(op.layout == "dense" for op in node.operands)
+    """Whether ``node`` can be a link of a ``Chain``: a dense einsum whose aggregated indices
+    are single tiles, so one kernel call per joined row computes it."""
+    return (isinstance(node, Einsum) and node.layout == "dense" and all(op.layout == "dense" for op in node.operands)
             and all(node.tiles[c] == node.sizes[c] for c in node.spec.aggregated))
 
 
@@ -349,9 +348,10 @@ def feeds(node: Einsum, position: int) -> bool:
 
 @dataclass(frozen=True)
 class Chain:
-    """Contractions that each read the previous one's result, each with its fused element-wise
-    epilogue if any, computed one after another in one kernel call per joined row, so their
-    intermediate results never become relations (an MLP's layers at inference). ``steps``:
+    """Einsums that each read the previous one's result (contractions with their fused
+    element-wise epilogues, or element-wise steps), computed one after another in one kernel
+    call per joined row, so their intermediate results never become relations (an MLP's layers
+    at inference). ``steps``:
     the einsums in order (the last is the chain's result); ``leaves``: the relations joined,
     ``inputs`` their subscripts in the chain's letters, ``output`` the result's; ``sources``:
     per step, each operand's origin (leaf ``m``, or ``-1 - k`` for step ``k``'s result)."""
@@ -364,8 +364,8 @@ class Chain:
 
     @staticmethod
     def of(links: list[tuple[Einsum, Einsum | None]]) -> Chain | None:
-        """The chain of ``links`` (contraction, epilogue or None), each link's contraction reading
-        the previous link's result; ``None`` if its indices need more than 52 letters."""
+        """The chain of ``links`` (einsum, its epilogue or None), each link's einsum reading the
+        previous link's result; ``None`` if its indices need more than 52 letters."""
         fresh = iter(string.ascii_letters)
         steps: list[Einsum] = []
         leaves: list[Node] = []
@@ -373,17 +373,17 @@ class Chain:
         sources: list[tuple[int, ...]] = []
         result = ""
         try:
-            for contraction, epilogue in links:
+            for inner, epilogue in links:
                 rename: dict[str, str] = {}
-                for sub, op in zip(contraction.spec.inputs, contraction.operands):
+                for sub, op in zip(inner.spec.inputs, inner.operands):
                     if steps and op is steps[-1]:
                         rename.update(zip(sub, result))
-                for c in "".join(contraction.spec.inputs):
+                for c in "".join(inner.spec.inputs):
                     if c not in rename:
                         rename[c] = next(fresh)
-                parts = [(contraction, rename)]
-                if epilogue is not None:  # its output's letters are the contraction's output's
-                    outer = dict(zip(epilogue.spec.output, (rename[c] for c in contraction.spec.output)))
+                parts = [(inner, rename)]
+                if epilogue is not None:  # its output's letters are those of the einsum it wraps
+                    outer = dict(zip(epilogue.spec.output, (rename[c] for c in inner.spec.output)))
                     parts.append((epilogue, outer))
                 for node, names in parts:
                     origin = []
@@ -529,10 +529,10 @@ def fill_select(node: Fill) -> exp.Select:
 
 def _chains(order: list[Node], consumers: Counter, fused: dict[int, int], taken: set[int]) -> dict[int, Chain]:
     """The ``Chain`` of two or more links ending at each step that ends one, by the id of its
-    last node. A link is a ``chainable`` contraction with its fused epilogue, if any (``fused``:
+    last node. A link is a ``chainable`` einsum with its fused epilogue, if any (``fused``:
     epilogue id -> the contraction's position); it joins the chain of the link that produces
     its operand (the longest such chain) when nothing else reads that operand and it ``feeds``
-    the contraction. Nodes in ``taken`` (absorbed by other fusions) are left alone; a chain
+    the link's einsum. Nodes in ``taken`` (absorbed by other fusions) are left alone; a chain
     whose kernel calls would receive over ``CHAIN_CALL_BYTES`` stays steps."""
     links: dict[int, tuple[Einsum, Einsum | None]] = {}
     for node in order:
@@ -548,9 +548,9 @@ def _chains(order: list[Node], consumers: Counter, fused: dict[int, int], taken:
     for node in order:
         if id(node) not in links:
             continue
-        contraction = links[id(node)][0]
-        producers = [op for p, op in enumerate(contraction.operands)
-                     if id(op) in runs and consumers[id(op)] == 1 and feeds(contraction, p)]
+        inner = links[id(node)][0]
+        producers = [op for p, op in enumerate(inner.operands)
+                     if id(op) in runs and consumers[id(op)] == 1 and feeds(inner, p)]
         longest = max(producers, key=lambda op: len(runs[id(op)]), default=None)
         runs[id(node)] = ([] if longest is None else runs.pop(id(longest))) + [links[id(node)]]
     chains = {key: Chain.of(run) for key, run in runs.items() if len(run) > 1}

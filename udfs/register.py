@@ -12,7 +12,7 @@ serves every einsum of its arity:
 - ``tra_attention_<n>(meta, out_keys, list({keys0, tile0, ...}))``: fused attention over
   Q, K, V (and a mask), see ``tra_sql.udfs.attention``;
 - ``tra_chain_<n>(meta, out_keys, keys_0, tile_0, ...)``: one output tile per joined row,
-  computed through a chain of steps (contractions reading the previous one's result);
+  computed through a chain of steps (einsums reading the previous one's result);
 - ``tra_reduce(meta, out_keys, list(tile))``: one output tile per group, the aggregate of
   the partial results ``tra_einsum_<n>`` computed per joined row;
 - with a prologue (row statistics of the operands, ``meta["prologue"]``), those operands are
