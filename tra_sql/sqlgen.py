@@ -10,6 +10,9 @@
 - a ``Place`` (re-tile, slice, concat, reshape) joins each source tile to the output tiles it
   overlaps (a range join on computed element offsets) and assembles each output tile from
   its pieces; a ``Fill`` generates constant tiles from ``range()`` tables;
+- einsums that each read the previous one's result, which nothing else reads, are one step
+  when every index they sum over is a single tile (``Chain``: one kernel call per joined row
+  computes them in turn);
 - a program is a ``WITH ... AS MATERIALIZED`` chain, one CTE per node, shared nodes once.
 
 Everything is built as sqlglot expressions; ``Program.sql()`` renders a dialect.
@@ -351,10 +354,10 @@ class Chain:
     """Einsums that each read the previous one's result (contractions with their fused
     element-wise epilogues, or element-wise steps), computed one after another in one kernel
     call per joined row, so their intermediate results never become relations (an MLP's layers
-    at inference). ``steps``:
-    the einsums in order (the last is the chain's result); ``leaves``: the relations joined,
-    ``inputs`` their subscripts in the chain's letters, ``output`` the result's; ``sources``:
-    per step, each operand's origin (leaf ``m``, or ``-1 - k`` for step ``k``'s result)."""
+    at inference). ``steps``: the einsums in order (the last is the chain's result); ``leaves``:
+    the relations joined, ``inputs`` their subscripts in the chain's letters, ``output`` the
+    result's; ``sources``: per step, each operand's origin (leaf ``m``, or ``-1 - k`` for step
+    ``k``'s result)."""
 
     steps: tuple[Einsum, ...]
     leaves: tuple[Node, ...]
@@ -574,8 +577,9 @@ class Program:
         """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``);
         attention (softmax over scores, contracted with values) becomes one step (see
         ``attention_parts``), an element-wise einsum computes the row statistics only it reads
-        (see ``prologue_parts``), and element-wise einsums over a contraction are fused into it
-        (see ``fusable``)."""
+        (see ``prologue_parts``), element-wise einsums over a contraction are fused into it
+        (see ``fusable``), and the steps left that each read the previous one's result are
+        chained (see ``_chains``)."""
         program = cls(root)
         order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
         consumers = Counter(id(child) for node in order for child in node.inputs)
