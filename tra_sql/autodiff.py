@@ -143,7 +143,7 @@ def _sum(parts: list[Node], ctx: Context) -> Node:
     tile at every key in one tiling (so it can fuse into the step computing one of them), else
     a keyed sum (absent tiles are zeros)."""
     first = parts[0]
-    if all(p.layout == "dense" and p.tile == first.tile and ctx.complete(p) for p in parts):
+    if all(p.tile == first.tile and ctx.dense(p) for p in parts):
         idx = _letters(len(first.shape))
         join = " + ".join(f"x{m}" for m in range(len(parts)))
         return graph.einsum(",".join([idx] * len(parts)) + "->" + idx, parts, ["gradient"] * len(parts), join)

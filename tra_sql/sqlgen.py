@@ -128,6 +128,12 @@ def _operand_fields(inputs) -> list[exp.PropertyEQ]:
     return fields
 
 
+def _extents(inputs, operands) -> tuple[dict[str, int], dict[str, int]]:
+    """The full size and the tile size of every index of ``operands`` (subscripts ``inputs``)."""
+    sizes = {c: n for sub, op in zip(inputs, operands) for c, n in zip(sub, op.shape)}
+    return sizes, {c: t for sub, op in zip(inputs, operands) for c, t in zip(sub, op.tile)}
+
+
 def _step_meta(node: Einsum, names: list[str]) -> dict:
     """The kernel's description of ``node``: subscripts, sizes and tiles, dtypes, names, join."""
     return {"inputs": list(node.spec.inputs), "output": node.spec.output, "sizes": node.sizes,
@@ -322,8 +328,7 @@ def attention_select(att: Attention, refs: list[str], names: list[str]) -> exp.S
     joins, where, first = _joins(att.inputs, refs)
     out_keys = [first[c] for c in att.output]
     operands = att.operands
-    sizes = {c: n for sub, op in zip(att.inputs, operands) for c, n in zip(sub, op.shape)}
-    tiles = {c: t for sub, op in zip(att.inputs, operands) for c, t in zip(sub, op.tile)}
+    sizes, tiles = _extents(att.inputs, operands)
     meta = _meta({"inputs": list(att.inputs), "scores": att.scores, "output": att.output, "sizes": sizes,
                   "tiles": tiles, "dtypes": [op.dtype.name for op in operands], "out_dtype": att.node.dtype.name,
                   "probs_dtype": att.absorbed[-1].dtype.name,
@@ -418,8 +423,7 @@ def chain_select(chain: Chain, refs: list[str], names: list[str]) -> exp.Select:
     call per joined row computing every step in turn."""
     joins, where, first = _joins(chain.inputs, refs)
     out_keys = [first[c] for c in chain.output]
-    sizes = {c: n for sub, op in zip(chain.inputs, chain.leaves) for c, n in zip(sub, op.shape)}
-    tiles = {c: t for sub, op in zip(chain.inputs, chain.leaves) for c, t in zip(sub, op.tile)}
+    sizes, tiles = _extents(chain.inputs, chain.leaves)
     labels = [*names, *(step.label for step in chain.steps)]
     steps = [_step_meta(step, [labels[s if s >= 0 else len(names) - 1 - s] for s in origin])
              | {"sources": list(origin)} for step, origin in zip(chain.steps, chain.sources)]

@@ -277,6 +277,18 @@ def _computed(step: StepMeta, sources: list, stacked: bool, count: int):
     return results
 
 
+def _computed_into(step: StepMeta, buf, offsets, shapes, tiles: list, stacked: bool) -> None:
+    """``step``'s result for each row written into the output buffer ``buf`` (one tile per
+    row at ``offsets``, of ``shapes``), from its operands' tiles (stacked, or per row)."""
+    if stacked:
+        _stacked_call(step, buf.view(step.result.dtype).reshape(len(shapes), *shapes[0]), tiles)
+        return
+    for row in range(len(shapes)):
+        out = _out_view(buf, offsets, row, shapes[row], step.result.dtype)
+        step.kernel.init(out)
+        step.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+
+
 def _with_prologue(meta: StepMeta, tiles: list, stacked: bool, count: int) -> list:
     """Every operand's tiles, in operand order: the ``present`` ones (``tiles``) and the
     prologue's, computed from them (stacked, or per row)."""
@@ -313,14 +325,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     buf, offsets, shapes = _allocate(meta.result, out_keys)
     tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes), meta.present)
     tiles = _with_prologue(meta, tiles, stacked, len(rows))
-    if stacked:
-        out = buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])
-        _stacked_call(meta, out, tiles)
-    else:
-        for row in rows:
-            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
-            meta.kernel.init(out)
-            meta.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+    _computed_into(meta, buf, offsets, shapes, tiles, stacked)
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
 
 
@@ -349,18 +354,13 @@ def chain_rows(meta_col, out_keys_col, *operand_cols):
     buf, offsets, shapes = _allocate(meta.leaves.result, out_keys)
     leaves, stacked = _operand_tiles(meta.leaves, operand_cols, rows, _uniform(shapes))
     results: list = []
+
+    def operands(step: StepMeta) -> list:
+        return [leaves[s] if s >= 0 else results[-1 - s] for s in step.sources]
+
     for step in meta.steps[:-1]:
-        results.append(_computed(step, [leaves[s] if s >= 0 else results[-1 - s] for s in step.sources],
-                                 stacked, len(rows)))
-    last = meta.steps[-1]
-    sources = [leaves[s] if s >= 0 else results[-1 - s] for s in last.sources]
-    if stacked:
-        _stacked_call(last, buf.view(last.result.dtype).reshape(len(rows), *shapes[0]), sources)
-    else:
-        for row in rows:
-            out = _out_view(buf, offsets, row, shapes[row], last.result.dtype)
-            last.kernel.init(out)
-            last.kernel.accumulate(out, [t[row] for t in sources], scratch=False)
+        results.append(_computed(step, operands(step), stacked, len(rows)))
+    _computed_into(meta.steps[-1], buf, offsets, shapes, operands(meta.steps[-1]), stacked)
     return binary_array(buf, offsets)
 
 
