@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import catalog, errors, graph, structure
+from tra_sql import allocator, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
 from tra_sql.sqlgen import Program
@@ -26,7 +26,8 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
 
     ``engine="spark"`` runs on Spark SQL instead: ``database`` is then the warehouse
     directory, and ``engine_options`` go to ``tra_sql.backends.spark.connect`` (``master=``,
-    ``executor_memory=``, ``config=``, ...)."""
+    ``executor_memory=``, ``config=``, ...). On glibc the process's ``malloc`` keeps freed
+    memory for the next tiles (``tra_sql.allocator``; ``TRA_SQL_MALLOC=system`` to opt out)."""
     if engine != "duckdb":
         if engine != "spark":
             raise TraError(f"engine={engine!r}: use 'duckdb' or 'spark'")
@@ -39,6 +40,7 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
         config["threads"] = threads
     if memory_limit is not None:
         config["memory_limit"] = memory_limit
+    allocator.retain_freed_memory()
     try:
         con = duckdb.connect(database, read_only=read_only, config=config)
     except duckdb.Error as err:
