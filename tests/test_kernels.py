@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from tra_sql.udfs.codegen import canonical, kernel_source
 from tra_sql.udfs.contract import TileEinsum
@@ -66,3 +67,23 @@ def test_big_tiles_use_the_threaded_kernel_and_agree():
     kernel.accumulate(out, [x, b])
     np.testing.assert_allclose(out, np.maximum(x + b, 0))
     assert "numba.prange" in kernel_source(("ab", "b"), "ab", "x0", "sum", parallel=True)
+
+
+def test_compute_overwrites_out_without_a_fill():
+    """``compute`` is ``init`` + ``accumulate``; element-wise loops and BLAS products write
+    every element, so whatever ``out`` held before must not leak into the result."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((300, 400)), rng.standard_normal((400, 5))
+    x[0, 0] = np.nan
+    cases = [(TileEinsum(("ij", "ij"), "ij", "x0 * (1 if x1 > 0.0 else 0)"), [x, x], x * (x > 0)),
+             (TileEinsum(("ij",), "ji", "x0", agg="max"), [x], x.T),  # an element-wise max keeps NaN
+             (TileEinsum(("ij", "jk"), "ik"), [x, w], x @ w),
+             (TileEinsum(("ij", "jk"), "ki"), [x, w], (x @ w).T),
+             (TileEinsum(("ij",), "j", "x0", agg="min"), [x], np.fmin.reduce(x, axis=0))]
+    for kernel, tiles, expected in cases:
+        out = np.full(expected.shape, 7.0)
+        kernel.compute(out, tiles)
+        np.testing.assert_allclose(out, expected, equal_nan=True)
+    assert "acc" not in kernel_source(("ab", "ab"), "ab", "x0 * x1", "sum", assign=True)
+    with pytest.raises(ValueError, match="aggregates"):
+        kernel_source(("ab",), "a", "x0", "sum", assign=True)

@@ -51,10 +51,12 @@ def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], st
 
 
 def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False,
-                  sparse: tuple[int, ...] = ()) -> str:
+                  sparse: tuple[int, ...] = (), assign: bool = False) -> str:
     """Python source of the loop kernel ``kernel(out, X0, ..., Xn)``; ``out`` holds the
     running aggregate (the caller initializes it), ``join_code`` is a scalar expression
     over ``x0..xn``. ``parallel`` splits the first output index's loop over threads (prange).
+    ``assign`` (an element-wise einsum: nothing aggregated) writes each value into ``out``
+    instead, which then needs no initial value.
 
     With ``sparse`` (positions of CSR operands, all with the same two-index subscript, the
     pattern), the kernel is ``kernel(out, ROWS, COLS, X0, ..., Xn)``: the sparse operands are
@@ -102,7 +104,10 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         loop(ch, parallel and d == 0)
     out_ref = "out[i_q]" if sparse and output == pattern else \
         f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
-    lines.append(f"{indent}acc = {out_ref}")
+    if assign and not all(decides[ch] for ch in order):
+        raise ValueError(f"kernel {inputs}->{output} aggregates: it cannot assign its values")
+    if not assign:
+        lines.append(f"{indent}acc = {out_ref}")
     outer = indent
     for ch in order[split:]:
         loop(ch, False)
@@ -111,8 +116,11 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
             f"{arrays[m]}[{', '.join(var[c] for c in sub)}]" if sub else f"s{m}"
         lines.append(f"{indent}x{m} = {ref}")
     lines.append(f"{indent}v = {join_code}")
-    lines.append(f"{indent}{AGG_UPDATE[agg]}")
-    lines.append(f"{outer}{out_ref} = acc")
+    if assign:
+        lines.append(f"{indent}{out_ref} = v")
+    else:
+        lines.append(f"{indent}{AGG_UPDATE[agg]}")
+        lines.append(f"{outer}{out_ref} = acc")
     return "\n".join(lines) + "\n"
 
 
@@ -120,17 +128,18 @@ _compiling = threading.Lock()
 
 
 def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool = False,
-                sparse: tuple[int, ...] = ()):
+                sparse: tuple[int, ...] = (), assign: bool = False):
     """The compiled kernel for a canonical spec (see ``canonical``), join and aggregation
-    (``sparse``: see ``kernel_source``). Thread-safe: DuckDB may call UDFs needing the same
-    new kernel from several threads."""
+    (``sparse``, ``assign``: see ``kernel_source``). Thread-safe: DuckDB may call UDFs
+    needing the same new kernel from several threads."""
     with _compiling:
-        return _load(inputs, output, join_code, agg, parallel, sparse)
+        return _load(inputs, output, join_code, agg, parallel, sparse, assign)
 
 
 @cache
-def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool, sparse: tuple[int, ...]):
-    source = kernel_source(inputs, output, join_code, agg, parallel, sparse)
+def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool, sparse: tuple[int, ...],
+          assign: bool):
+    source = kernel_source(inputs, output, join_code, agg, parallel, sparse, assign)
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     module_name = f"tra_kernel_{digest}"
     path = cache_dir() / f"{module_name}.py"

@@ -57,12 +57,18 @@ class TileEinsum:
         right = [c for c in b if c not in a]
         return batch, left, contracted, right
 
-    def _loop(self, out: np.ndarray):
-        """The Numba kernel; threaded (prange over the first output index) for big tiles."""
+    @cached_property
+    def elementwise(self) -> bool:
+        """Nothing is aggregated: every input index is an output index."""
+        return set("".join(self.inputs)) <= set(self.output)
+
+    def _loop(self, out: np.ndarray, assign: bool = False):
+        """The Numba kernel; threaded (prange over the first output index) for big tiles;
+        ``assign``: the element-wise kernel that overwrites ``out``."""
         code = self.join_code or " * ".join(f"x{m}" for m in range(len(self.inputs)))
         inputs, output = canonical(self.inputs, self.output)
         parallel = out.ndim > 0 and out.shape[0] > 1 and out.size >= PARALLEL_ELEMENTS
-        return loop_kernel(inputs, output, code, self.agg, parallel)
+        return loop_kernel(inputs, output, code, self.agg, parallel, assign=assign)
 
     def batched(self) -> TileEinsum:
         """The same einsum with a leading batch index on every operand and the output."""
@@ -74,19 +80,35 @@ class TileEinsum:
         """Set ``out`` to the aggregate's identity."""
         out[...] = identity(self.agg, out.dtype)
 
-    def accumulate(self, out: np.ndarray, tiles: list[np.ndarray], scratch: bool = True) -> None:
-        """Aggregate this tile set into ``out``; ``scratch=False`` means ``out`` holds only
-        the identity, so a BLAS product may be written straight into it. With CSR tiles, see
-        ``sparse.accumulate``."""
+    def compute(self, out: np.ndarray, tiles: list[np.ndarray]) -> None:
+        """``out`` set to this einsum of one tile set: ``init`` then ``accumulate``, without
+        filling ``out`` first where every element is written anyway (BLAS products,
+        element-wise loops)."""
+        if any(isinstance(t, sparse.CSRTile) for t in tiles):
+            self.init(out)
+            sparse.accumulate(self.inputs, self.output, self.join_code, self.agg, out, tiles)
+        elif self._matmul_layout is not None:
+            self._product(out, tiles, assign=True)
+        elif self.elementwise:
+            self._loop(out, assign=True)(out, *tiles)
+        else:
+            self.init(out)
+            self._loop(out)(out, *tiles)
+
+    def accumulate(self, out: np.ndarray, tiles: list[np.ndarray]) -> None:
+        """Aggregate this tile set into ``out``, which holds a running aggregate. With CSR
+        tiles, see ``sparse.accumulate``."""
         if any(isinstance(t, sparse.CSRTile) for t in tiles):
             sparse.accumulate(self.inputs, self.output, self.join_code, self.agg, out, tiles)
-            return
-        layout = self._matmul_layout
-        if layout is None:
+        elif self._matmul_layout is not None:
+            self._product(out, tiles, assign=False)
+        else:
             self._loop(out)(out, *tiles)
-            return
+
+    def _product(self, out: np.ndarray, tiles: list[np.ndarray], assign: bool) -> None:
+        """The BLAS contraction of two tiles written into (``assign``) or added to ``out``."""
         a, b = tiles
-        batch, left, contracted, right = layout
+        batch, left, contracted, right = self._matmul_layout
         sa, sb = self.inputs
         size = {c: a.shape[sa.index(c)] for c in sa} | {c: b.shape[sb.index(c)] for c in sb}
         a3 = a.transpose([sa.index(c) for c in batch + left + contracted]).reshape(
@@ -96,8 +118,12 @@ class TileEinsum:
             a3.shape[0], a3.shape[2], prod(size[c] for c in right)
         )
         natural = batch + left + right
-        if natural == list(self.output) and not scratch and out.flags.c_contiguous:
+        if natural == list(self.output) and assign and out.flags.c_contiguous:
             np.matmul(a3, b3, out=out.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
             return
-        product = np.matmul(a3, b3).reshape([size[c] for c in natural])
-        out += product.transpose([natural.index(c) for c in self.output])
+        product = np.matmul(a3, b3).reshape([size[c] for c in natural]).transpose(
+            [natural.index(c) for c in self.output])
+        if assign:
+            out[...] = product
+        else:
+            out += product

@@ -103,7 +103,7 @@ class Operand:
         if (np.diff(starts) == nbytes).all():
             flat = data[starts[0] : starts[0] + nbytes * len(rows)]
         else:
-            flat = data[starts[:, None] + np.arange(nbytes)]
+            flat = np.concatenate([data[start : start + nbytes] for start in starts])
         return flat.view(self.dtype).reshape(len(rows), *shapes[0])
 
     def csr(self, data, offsets, valid, row: int, key: np.ndarray) -> CSRTile:
@@ -242,8 +242,7 @@ def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns)
         tiles = [t[row] for t in others]
         tiles.insert(epilogue.position, inner)
         out = _out_view(out_buf, out_offsets, row, shapes[row], epilogue.result.dtype)
-        epilogue.kernel.init(out)
-        epilogue.kernel.accumulate(out, tiles, scratch=False)
+        epilogue.kernel.compute(out, tiles)
     return binary_array(out_buf, out_offsets)
 
 
@@ -251,11 +250,9 @@ def _stacked_call(meta: StepMeta, out: np.ndarray, tiles: list[np.ndarray]) -> N
     """``out`` (stacked output tiles) computed from stacked operand tiles in one kernel call;
     a stack of one runs the plain kernel, whose loops can then be threaded."""
     if len(out) == 1:
-        meta.kernel.init(out[0, ...])
-        meta.kernel.accumulate(out[0, ...], [t[0, ...] for t in tiles], scratch=False)
+        meta.kernel.compute(out[0, ...], [t[0, ...] for t in tiles])
     else:
-        meta.batched.init(out)
-        meta.batched.accumulate(out, tiles, scratch=False)
+        meta.batched.compute(out, tiles)
 
 
 def _computed(step: StepMeta, sources: list, stacked: bool, count: int):
@@ -272,8 +269,7 @@ def _computed(step: StepMeta, sources: list, stacked: bool, count: int):
         tiles = [t[row] for t in sources]
         extent = {c: n for sub, t in zip(step.inputs, tiles) for c, n in zip(sub, t.shape)}
         results.append(np.empty([extent[c] for c in step.output], dtype=dtype))
-        step.kernel.init(results[-1])
-        step.kernel.accumulate(results[-1], tiles, scratch=False)
+        step.kernel.compute(results[-1], tiles)
     return results
 
 
@@ -285,8 +281,7 @@ def _computed_into(step: StepMeta, buf, offsets, shapes, tiles: list, stacked: b
         return
     for row in range(len(shapes)):
         out = _out_view(buf, offsets, row, shapes[row], step.result.dtype)
-        step.kernel.init(out)
-        step.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+        step.kernel.compute(out, [t[row] for t in tiles])
 
 
 def _with_prologue(meta: StepMeta, tiles: list, stacked: bool, count: int) -> list:
@@ -318,8 +313,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
         results = []
         for row in rows:
             buf, out = sparse.like(tiles[meta.pattern][row], meta.result.dtype)
-            meta.kernel.init(out)
-            meta.kernel.accumulate(out, [t[row] for t in tiles], scratch=False)
+            meta.kernel.compute(out, [t[row] for t in tiles])
             results.append(buf)
         return sparse.concat(results)
     buf, offsets, shapes = _allocate(meta.result, out_keys)
@@ -383,9 +377,11 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     else:
         for row in range(len(out_keys)):
             out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
-            meta.kernel.init(out)
-            for n, element in enumerate(range(group_offsets[row], group_offsets[row + 1])):
-                meta.kernel.accumulate(out, [t[element] for t in tiles], scratch=n > 0)
+            group = range(group_offsets[row], group_offsets[row + 1])
+            if not group:
+                meta.kernel.init(out)
+            for n, element in enumerate(group):
+                (meta.kernel.accumulate if n else meta.kernel.compute)(out, [t[element] for t in tiles])
     return _finish(meta, out_keys, buf, offsets, shapes, epilogue_cols)
 
 
