@@ -18,7 +18,7 @@ from math import prod
 import numpy as np
 
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
-from tra_sql.udfs.register import Operand, _allocate, _operand_tiles, _out_view
+from tra_sql.udfs.register import Operand, allocate_tiles, operand_tiles, out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
 CHUNK_ELEMENTS = 1 << 18  # scores computed per pass: a few (batch, head) pairs, so they stay in cache
@@ -194,14 +194,14 @@ def attention_groups(meta_col, out_keys_col, rows_col):
     group, the softmax folded over the group's key tiles."""
     meta = AttentionMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    buf, offsets, shapes = allocate_tiles(meta.result, out_keys)
     group_offsets, rows = list_views(rows_col)
-    tiles, _ = _operand_tiles(meta, rows.flatten(), np.arange(len(rows)), False)
+    tiles, _ = operand_tiles(meta, rows.flatten(), np.arange(len(rows)), False)
     masked = len(meta.inputs) == 4
     for row in range(len(out_keys)):
         first = group_offsets[row]
         state = OnlineSoftmax(meta, tiles[0][first])
         for e in range(first, group_offsets[row + 1]):
             state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
-        state.finish(_out_view(buf, offsets, row, shapes[row], meta.result.dtype))
+        state.finish(out_view(buf, offsets, row, shapes[row], meta.result.dtype))
     return binary_array(buf, offsets)

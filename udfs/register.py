@@ -194,7 +194,7 @@ class StepMeta:
         return np.array([table[c] for c in sub], dtype=np.int64)
 
 
-def _allocate(result: Operand, out_keys: np.ndarray):
+def allocate_tiles(result: Operand, out_keys: np.ndarray):
     """A byte buffer for one output tile per row, with offsets and per-row shapes."""
     shapes = tile_shapes(out_keys, result.sizes, result.tiles)
     nbytes = np.prod(shapes, axis=1, dtype=np.int64) * result.dtype.itemsize
@@ -203,11 +203,12 @@ def _allocate(result: Operand, out_keys: np.ndarray):
     return np.empty(int(offsets[-1]), dtype=np.uint8), offsets, shapes
 
 
-def _out_view(buf, offsets, row, shape, dtype) -> np.ndarray:
+def out_view(buf, offsets, row, shape, dtype) -> np.ndarray:
+    """Row ``row``'s tile in an output buffer of ``allocate_tiles``, as an array."""
     return buf[offsets[row] : offsets[row + 1]].view(dtype).reshape(shape)
 
 
-def _operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool, which: list[int] | None = None):
+def operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool, which: list[int] | None = None):
     """Tiles at ``elements`` of the operands ``which`` (default: all), read from (keys, tile)
     column pairs: stacked into one array per operand when ``stack`` and each operand's tiles
     share a shape, else lists of views. Returns (tiles, stacked?)."""
@@ -228,9 +229,9 @@ def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns)
     epilogue = meta.epilogue
     if epilogue is None:
         return binary_array(buf, offsets)
-    out_buf, out_offsets, _ = _allocate(epilogue.result, out_keys)
+    out_buf, out_offsets, _ = allocate_tiles(epilogue.result, out_keys)
     rows = np.arange(len(out_keys))
-    others, stacked = _operand_tiles(epilogue, columns, rows, _uniform(shapes), epilogue.others)
+    others, stacked = operand_tiles(epilogue, columns, rows, _uniform(shapes), epilogue.others)
     if stacked:
         tiles = others[: epilogue.position] + [buf.view(meta.result.dtype).reshape(len(rows), *shapes[0])] \
             + others[epilogue.position :]
@@ -238,10 +239,10 @@ def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns)
         _stacked_call(epilogue, out, tiles)
         return binary_array(out_buf, out_offsets)
     for row in rows:
-        inner = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+        inner = out_view(buf, offsets, row, shapes[row], meta.result.dtype)
         tiles = [t[row] for t in others]
         tiles.insert(epilogue.position, inner)
-        out = _out_view(out_buf, out_offsets, row, shapes[row], epilogue.result.dtype)
+        out = out_view(out_buf, out_offsets, row, shapes[row], epilogue.result.dtype)
         epilogue.kernel.compute(out, tiles)
     return binary_array(out_buf, out_offsets)
 
@@ -280,7 +281,7 @@ def _computed_into(step: StepMeta, buf, offsets, shapes, tiles: list, stacked: b
         _stacked_call(step, buf.view(step.result.dtype).reshape(len(shapes), *shapes[0]), tiles)
         return
     for row in range(len(shapes)):
-        out = _out_view(buf, offsets, row, shapes[row], step.result.dtype)
+        out = out_view(buf, offsets, row, shapes[row], step.result.dtype)
         step.kernel.compute(out, [t[row] for t in tiles])
 
 
@@ -309,15 +310,15 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     rows = np.arange(len(out_keys))
     own = 2 * len(meta.present)
     if meta.result.layout == "csr":
-        tiles, _ = _operand_tiles(meta, operand_cols[:own], rows, False)
+        tiles, _ = operand_tiles(meta, operand_cols[:own], rows, False)
         results = []
         for row in rows:
             buf, out = sparse.like(tiles[meta.pattern][row], meta.result.dtype)
             meta.kernel.compute(out, [t[row] for t in tiles])
             results.append(buf)
         return sparse.concat(results)
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
-    tiles, stacked = _operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes), meta.present)
+    buf, offsets, shapes = allocate_tiles(meta.result, out_keys)
+    tiles, stacked = operand_tiles(meta, operand_cols[:own], rows, _uniform(shapes), meta.present)
     tiles = _with_prologue(meta, tiles, stacked, len(rows))
     _computed_into(meta, buf, offsets, shapes, tiles, stacked)
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
@@ -345,8 +346,8 @@ def chain_rows(meta_col, out_keys_col, *operand_cols):
     meta = ChainMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.leaves.output))
     rows = np.arange(len(out_keys))
-    buf, offsets, shapes = _allocate(meta.leaves.result, out_keys)
-    leaves, stacked = _operand_tiles(meta.leaves, operand_cols, rows, _uniform(shapes))
+    buf, offsets, shapes = allocate_tiles(meta.leaves.result, out_keys)
+    leaves, stacked = operand_tiles(meta.leaves, operand_cols, rows, _uniform(shapes))
     results: list = []
 
     def operands(step: StepMeta) -> list:
@@ -363,12 +364,12 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     uniform tiles are computed in one kernel call and reduced per group (``ufunc.reduceat``)."""
     meta = StepMeta.parse(first_string(meta_col))
     out_keys = key_matrix(out_keys_col, len(meta.output))
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    buf, offsets, shapes = allocate_tiles(meta.result, out_keys)
     group_offsets, rows = list_views(rows_col)
     elements = np.arange(len(rows))
     sizes = np.diff(group_offsets)
     small = _uniform(shapes) and len(rows) * int(np.prod(shapes[0])) <= BATCH_ELEMENTS and (sizes > 0).all()
-    tiles, stacked = _operand_tiles(meta, rows.flatten(), elements, small)
+    tiles, stacked = operand_tiles(meta, rows.flatten(), elements, small)
     if stacked:
         partial = np.empty((len(rows), *shapes[0]), dtype=meta.result.dtype)
         _stacked_call(meta, partial, tiles)
@@ -376,7 +377,7 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
         REDUCE[meta.agg].reduceat(partial, group_offsets[:-1], axis=0, out=out)
     else:
         for row in range(len(out_keys)):
-            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+            out = out_view(buf, offsets, row, shapes[row], meta.result.dtype)
             group = range(group_offsets[row], group_offsets[row + 1])
             if not group:
                 meta.kernel.init(out)
@@ -405,7 +406,7 @@ def reduce_partials(meta_col, out_keys_col, partials_col, *epilogue_cols):
             combine.reduce(np.stack([t.data for t in group]), axis=0, out=out)
             results.append(buf)
         return sparse.concat(results)
-    buf, offsets, shapes = _allocate(meta.result, out_keys)
+    buf, offsets, shapes = allocate_tiles(meta.result, out_keys)
     stacked = meta.result.stacked(*views, elements, keys) if _uniform(shapes) and (counts > 0).all() else None
     if stacked is not None:
         combine.reduceat(stacked, group_offsets[:-1], axis=0,
@@ -413,7 +414,7 @@ def reduce_partials(meta_col, out_keys_col, partials_col, *epilogue_cols):
     else:
         tiles = meta.result.views(*views, elements, keys)
         for row in range(len(out_keys)):
-            out = _out_view(buf, offsets, row, shapes[row], meta.result.dtype)
+            out = out_view(buf, offsets, row, shapes[row], meta.result.dtype)
             meta.kernel.init(out)
             for element in range(group_offsets[row], group_offsets[row + 1]):
                 combine(out, tiles[element], out=out)
@@ -440,7 +441,7 @@ def place(meta_col, out_keys_col, pieces_col):
     shape, tile = np.array(m["shape"], dtype=np.int64), np.array(m["tile"], dtype=np.int64)
     target = Operand("result", np.dtype(m["dtype"]), shape, tile)
     out_keys = key_matrix(out_keys_col, len(shape))
-    buf, offsets, shapes = _allocate(target, out_keys)
+    buf, offsets, shapes = allocate_tiles(target, out_keys)
     starts, flat = list_views(pieces_col)
     origin_col, shape_col, part_col, tile_col = flat.flatten()
     rank = 1 if m["flat"] else len(shape)
@@ -451,7 +452,7 @@ def place(meta_col, out_keys_col, pieces_col):
     _check_pieces(m["names"], dtypes, parts, origins, extents, data_offsets, valid)
     flat_tile = int(tile[0] * np.prod(shape[1:])) if len(shape) else 1
     for row in range(len(out_keys)):
-        out = _out_view(buf, offsets, row, shapes[row], target.dtype)
+        out = out_view(buf, offsets, row, shapes[row], target.dtype)
         out[...] = 0
         if m["flat"]:
             out, origin = out.reshape(-1), out_keys[row][:1] * flat_tile
@@ -477,9 +478,9 @@ def fill(meta_col, out_keys_col):
     m = json.loads(first_string(meta_col))
     target = Operand("result", np.dtype(m["dtype"]), np.array(m["shape"], np.int64), np.array(m["tile"], np.int64))
     out_keys = key_matrix(out_keys_col, len(target.sizes))
-    buf, offsets, shapes = _allocate(target, out_keys)
+    buf, offsets, shapes = allocate_tiles(target, out_keys)
     for row in range(len(out_keys)):
-        _out_view(buf, offsets, row, shapes[row], target.dtype)[...] = m["value"]
+        out_view(buf, offsets, row, shapes[row], target.dtype)[...] = m["value"]
     return binary_array(buf, offsets)
 
 
