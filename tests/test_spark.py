@@ -319,6 +319,61 @@ def test_warehouse_reopens(sdb):
     np.testing.assert_array_equal(again.tensor("wX").numpy(), np.arange(12.0).reshape(3, 4))
 
 
+def test_reopening_puts_back_a_table_a_crash_left_aside(sdb):
+    """A crash between the two renames of a table's replacement (the old one moved aside, the
+    new one not yet in place) loses nothing: the next session puts the old table back."""
+    x = np.arange(12.0).reshape(3, 4)
+    sdb.from_numpy("wY", x, tile=2, replace=True)
+    sdb.from_numpy("wZ", x, tile=2, replace=True)
+    staging = sdb.warehouse.root / "_staging"
+    staging.mkdir(exist_ok=True)
+    sdb.warehouse.path("wY").rename(staging / "0123.wy.old")
+    shutil.copytree(sdb.warehouse.path("wZ"), staging / "4567.wz.old")  # a leftover: wZ is in place
+    again = tra_sql.connect(sdb.warehouse.root, engine="spark", spark=sdb.spark)
+    np.testing.assert_array_equal(again.tensor("wY").numpy(), x)
+    np.testing.assert_array_equal(again.tensor("wZ").numpy(), x)
+    assert not list(staging.glob("*.old"))
+
+
+def test_a_commit_cut_short_is_finished_on_resume(sdb, monkeypatch):
+    """A crash while a training step is being published, after the first of its two tables,
+    leaves the step half applied but its journal written: the next ``train`` of the run
+    finishes that commit before going on, so no step is lost or applied twice."""
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    steps, b = [], np.zeros(3)
+    for _ in range(2):
+        value, gw, gb = numpy_gradient(x, y, w, b)
+        steps.append((value, w - 0.5 * gw, b - 0.5 * gb))
+        w, b = steps[-1][1:]
+
+    class Crash(Exception):
+        pass
+
+    publish, published = sdb.warehouse.publish, []
+
+    def crashing(directory, name):
+        if len(published) == 3:  # the second step's second table
+            raise Crash
+        published.append(name)
+        publish(directory, name)
+
+    monkeypatch.setattr(sdb.warehouse, "publish", crashing)
+    with pytest.raises(Crash):
+        sdb.train(loss, params, SGD(lr=0.5), 2, run="cut", progress=False)
+    monkeypatch.undo()
+    assert sorted(published[:2]) == ["lW", "lb"]  # step one, then half of step two:
+    column = {"lW": 1, "lb": 2}
+    done, undone = published[2], ({"lW", "lb"} - {published[2]}).pop()
+    np.testing.assert_allclose(sdb.tensor(done).numpy(), steps[1][column[done]], rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(sdb.tensor(undone).numpy(), steps[0][column[undone]], rtol=1e-10, atol=1e-14)
+    run = sdb.train(loss, params, SGD(lr=0.5), 2, run="cut", progress=False)
+    assert run.epochs == 2 and run.steps == 2
+    np.testing.assert_allclose(run.losses, [s[0] for s in steps], rtol=1e-10)
+    np.testing.assert_allclose(sdb.tensor("lW").numpy(), steps[1][1], rtol=1e-10)
+    np.testing.assert_allclose(sdb.tensor("lb").numpy(), steps[1][2], rtol=1e-10, atol=1e-14)
+    assert not list((sdb.warehouse.root / "_staging").glob("*/COMMIT.json"))
+
+
 def test_udf_errors_keep_their_class(sdb):
     sdb.from_numpy("bad", np.ones((4, 4)), tile=2, replace=True)
     path = sdb.warehouse.path("bad")

@@ -5,16 +5,20 @@ new weights and state) in one write: one query of every root's rows over the ste
 (``spark_sql.spark_union_steps``; the views that several steps read are local checkpoints,
 so shared nodes run once) written with ``partitionBy("target")`` to
 ``<warehouse>/_staging/<Trainer.prefix>/target=<root>/``.
-Committing the step publishes those directories as the parameter and state tables (a rename
-each), then rewrites the run row (table ``tra_runs``) and, at the end of an epoch, the log
-(``tra_run_log``): ``train`` with the same ``run`` resumes from the last committed step.
-Unlike DuckDB's transaction, a crash between the renames of one commit leaves that step half
-applied.
+Committing the step first writes its journal (``COMMIT.json`` beside the staged results: the
+tables to publish, the new run row and, at the end of an epoch, the log row) with one atomic
+rename; then it publishes the directories as the parameter and state tables (a rename each),
+rewrites the run row (table ``tra_runs``) and the log (``tra_run_log``), and removes the
+staging directory with the journal. A crash before the journal leaves the step undone; after
+it, ``train`` with the same ``run`` finishes the commit (redoes what the journal lists:
+idempotent) before it resumes from the last committed step, so a step is applied whole or not
+at all, as in DuckDB's transaction.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Sequence
 
@@ -31,6 +35,7 @@ from tra_sql.sqlgen import Program
 
 RUN_SCHEMA = pa.schema([("run", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("batch", pa.int64()),
                         ("loss_sum", pa.float64()), ("params", pa.string()), ("optimizer", pa.string())])
+JOURNAL = "COMMIT.json"
 LOG_SCHEMA = pa.schema([("run", pa.string()), ("epoch", pa.int64()), ("step", pa.int64()), ("loss", pa.float64()),
                         ("seconds", pa.float64())])
 
@@ -87,6 +92,10 @@ class SparkTrainer(core.Trainer):
         return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
 
     def resume(self) -> tuple[int, int, int, float]:
+        for batch in range(self.batches):  # a commit a crash interrupted
+            journal = self.staging(batch) / JOURNAL
+            if journal.exists():
+                self.apply(json.loads(journal.read_text()), journal.parent)
         described = (json.dumps(self.names), self.optimizer.describe())
         row = next((r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] == self.run), None)
         if row is None:
@@ -100,19 +109,35 @@ class SparkTrainer(core.Trainer):
         return history(self.db, self.run)
 
     def commit(self, batch: int, fields: dict, log: list | None = None) -> None:
-        """Publish batch ``batch``'s staged weights and state, then the run row with ``fields``
-        and the log row ``log``."""
-        self.row = self.row | fields
+        """Commit batch ``batch``'s step (see the module docstring): its staged weights and
+        state, the run row with ``fields`` and the log row ``log``."""
         staging = self.staging(batch)
-        for target in self.plans[batch].tables:
-            if target != "loss":
+        targets = [t for t in self.plans[batch].tables if t != "loss"]
+        for target in targets:  # every target gets a directory: one missing later was published
+            directory = staging / f"target={target}"
+            if not directory.exists():
+                self.db.warehouse.empty_tiles(target, directory)
+        entry = {"targets": targets, "run": self.row | fields,
+                 "log": None if log is None else dict(zip(LOG_SCHEMA.names, [self.run] + log))}
+        written = staging / f".{JOURNAL}.tmp"
+        written.write_text(json.dumps(entry))
+        os.replace(written, staging / JOURNAL)
+        self.apply(entry, staging)
+
+    def apply(self, entry: dict, staging) -> None:
+        """Carry out a commit's journal ``entry`` (again, after a crash: every part is
+        idempotent), then remove ``staging`` and the journal in it."""
+        for target in entry["targets"]:
+            if (staging / f"target={target}").exists():
                 self.db.warehouse.publish(staging / f"target={target}", target)
-        shutil.rmtree(staging, ignore_errors=True)
+        self.row = entry["run"]
         runs = [r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] != self.run]
         write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [self.row])
-        if log is not None:
-            logged = rows(self.db, core.LOG, LOG_SCHEMA)
-            write_rows(self.db, core.LOG, LOG_SCHEMA, logged + [dict(zip(LOG_SCHEMA.names, [self.run] + log))])
+        if entry["log"] is not None:
+            done = (self.run, entry["log"]["epoch"])
+            logged = [r for r in rows(self.db, core.LOG, LOG_SCHEMA) if (r["run"], r["epoch"]) != done]
+            write_rows(self.db, core.LOG, LOG_SCHEMA, logged + [entry["log"]])
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run: str = "run", batches: int = 1,

@@ -5,16 +5,20 @@ Layout (every name lower-cased, since SQL names are case-insensitive)::
     <root>/tra_tensors/<name>.parquet   the catalog: one row (name, dtype, shape, tile_shape, layout)
     <root>/<name>/*.parquet             a tile relation (k0.. INT, tile BINARY) or a plain table
     <root>/_staging/<uuid>/             writes in flight; published by a directory rename
+    <root>/_staging/<uuid>.<name>.old   a replaced table until its successor is in place
 
 Every table directory is registered with Spark (``USING parquet LOCATION``) when a session
 opens, so a warehouse written by one Spark application opens in the next, as a DuckDB file
-does. The driver reads and writes the directory itself, so it must be a path that the driver
-and every executor see alike: local disk for ``local[N]`` and a cluster on one machine, a
-shared filesystem for a cluster of several.
+does. Opening also puts back a table whose replacement a crash interrupted between its two
+renames; catalog rows are replaced by an atomic file rename, never removed first. The driver
+reads and writes the directory itself, so it must be a path that the driver and every
+executor see alike: local disk for ``local[N]`` and a cluster on one machine, a shared
+filesystem for a cluster of several.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Callable
@@ -60,10 +64,21 @@ class Warehouse:
         self.spark = spark
         self.catalog_dir = root / CATALOG_TABLE
         self.catalog_dir.mkdir(parents=True, exist_ok=True)
+        self.recover()
         self.attach_all()
 
     def path(self, name: str) -> Path:
         return self.root / name.lower()
+
+    def recover(self) -> None:
+        """Put back every replaced table whose successor never arrived (see ``_publish``);
+        drop the other leftovers of replacements."""
+        for old in sorted((self.root / "_staging").glob("*.*.old")):
+            name = old.name.split(".", 1)[1][: -len(".old")]
+            if self.path(name).exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(self.path(name))
 
     # -- Spark's view of the directory ----------------------------------------------------
     def attach(self, name: str, schema: str = "") -> None:
@@ -118,31 +133,37 @@ class Warehouse:
             shutil.rmtree(staging, ignore_errors=True)
 
     def _publish(self, name: str, staging: Path, info: TensorInfo | None) -> None:
-        trash = self.root / "_staging" / f"{uuid.uuid4().hex}.old"
+        """Directory ``staging`` becomes table ``name`` (two renames: the old table aside,
+        the new one in; ``recover`` undoes the first if a crash comes between them), with
+        ``info``'s catalog row (else none)."""
+        old = self.root / "_staging" / f"{uuid.uuid4().hex}.{name.lower()}.old"
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
-        self._catalog_file(name).unlink(missing_ok=True)
         if self.path(name).exists():
-            self.path(name).rename(trash)
+            self.path(name).rename(old)
         staging.rename(self.path(name))
-        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
         if info is not None:
             keys = ", ".join(f"k{d} INT" for d in range(len(info.shape)))
             self.attach(name, f"({keys}{', ' if keys else ''}tile BINARY)")
             row = {"name": [info.name], "dtype": [info.dtype.name], "shape": [list(info.shape)],
                    "tile_shape": [list(info.tile)], "layout": [info.layout]}
-            pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), self._catalog_file(name))
+            written = self.catalog_dir / f".{uuid.uuid4().hex}.tmp"
+            pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), written)
+            os.replace(written, self._catalog_file(name))
         else:
+            self._catalog_file(name).unlink(missing_ok=True)
             self.attach(name)
         self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
 
     def publish(self, directory: Path, name: str) -> None:
-        """The Parquet files in ``directory`` (moved, or none if it does not exist) become
-        table ``name``'s, which keeps its catalog row (if it has one)."""
-        info = self.lookup(name) if self._catalog_file(name).exists() else None
-        if not directory.exists():
-            keys = [(f"k{d}", pa.int32()) for d in range(len(info.shape) if info else 0)]
-            write_parquet(pa.schema(keys + [("tile", pa.large_binary())]).empty_table(), directory)
-        self._publish(name, directory, info)
+        """The Parquet files in ``directory`` (moved) become table ``name``'s, which keeps its
+        catalog row (if it has one)."""
+        self._publish(name, directory, self.lookup(name) if self._catalog_file(name).exists() else None)
+
+    def empty_tiles(self, name: str, directory: Path) -> None:
+        """An empty tile relation shaped like tensor ``name``'s, written to ``directory``."""
+        keys = [(f"k{d}", pa.int32()) for d in range(len(self.lookup(name).shape))]
+        write_parquet(pa.schema(keys + [("tile", pa.large_binary())]).empty_table(), directory)
 
     def drop(self, name: str) -> None:
         """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
