@@ -4,12 +4,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 
 from tra_sql.udfs.codegen import canonical, kernel_source
 from tra_sql.udfs.contract import TileEinsum
+from tra_sql.udfs.cores import all_cores
 
 
 def test_canonical_names_share_kernels():
@@ -87,3 +89,20 @@ def test_compute_overwrites_out_without_a_fill():
     assert "acc" not in kernel_source(("ab", "ab"), "ab", "x0 * x1", "sum", assign=True)
     with pytest.raises(ValueError, match="aggregates"):
         kernel_source(("ab",), "a", "x0", "sum", assign=True)
+
+
+def test_kernels_on_every_core_take_turns():
+    """A BLAS product or threaded loop waits while another holds the cores (DuckDB may call
+    two UDFs at once); a small single-threaded loop does not."""
+    rng = np.random.default_rng(4)
+    x, small = rng.standard_normal((300, 400)), rng.standard_normal((3, 4))
+    out, small_out = np.empty((300, 300)), np.empty(3)
+    product, small_done = threading.Event(), threading.Event()
+    with all_cores():
+        for kernel, into, tiles, done in ((TileEinsum(("ij", "kj"), "ik"), out, [x, x], product),
+                                          (TileEinsum(("ij",), "i"), small_out, [small], small_done)):
+            threading.Thread(target=lambda k=kernel, o=into, t=tiles, d=done: (k.compute(o, t), d.set())).start()
+        assert small_done.wait(30) and not product.wait(0.3)
+    assert product.wait(30)
+    np.testing.assert_allclose(out, x @ x.T)
+    np.testing.assert_allclose(small_out, small.sum(axis=1))

@@ -18,6 +18,7 @@ from math import prod
 import numpy as np
 
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
+from tra_sql.udfs.cores import all_cores
 from tra_sql.udfs.register import Operand, allocate_tiles, operand_tiles, out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
@@ -198,10 +199,11 @@ def attention_groups(meta_col, out_keys_col, rows_col):
     group_offsets, rows = list_views(rows_col)
     tiles, _ = operand_tiles(meta, rows.flatten(), np.arange(len(rows)), False)
     masked = len(meta.inputs) == 4
-    for row in range(len(out_keys)):
-        first = group_offsets[row]
-        state = OnlineSoftmax(meta, tiles[0][first])
-        for e in range(first, group_offsets[row + 1]):
-            state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
-        state.finish(out_view(buf, offsets, row, shapes[row], meta.result.dtype))
+    with all_cores():  # BLAS products of every head
+        for row in range(len(out_keys)):
+            first = group_offsets[row]
+            state = OnlineSoftmax(meta, tiles[0][first])
+            for e in range(first, group_offsets[row + 1]):
+                state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
+            state.finish(out_view(buf, offsets, row, shapes[row], meta.result.dtype))
     return binary_array(buf, offsets)

@@ -10,6 +10,7 @@ import numpy as np
 
 from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
+from tra_sql.udfs.cores import all_cores
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
 
@@ -62,13 +63,15 @@ class TileEinsum:
         """Nothing is aggregated: every input index is an output index."""
         return set("".join(self.inputs)) <= set(self.output)
 
-    def _loop(self, out: np.ndarray, assign: bool = False):
-        """The Numba kernel; threaded (prange over the first output index) for big tiles;
+    def _loop(self, out: np.ndarray, tiles: list[np.ndarray], assign: bool = False) -> None:
+        """Run the Numba kernel; threaded (prange over the first output index) for big tiles;
         ``assign``: the element-wise kernel that overwrites ``out``."""
         code = self.join_code or " * ".join(f"x{m}" for m in range(len(self.inputs)))
         inputs, output = canonical(self.inputs, self.output)
         parallel = out.ndim > 0 and out.shape[0] > 1 and out.size >= PARALLEL_ELEMENTS
-        return loop_kernel(inputs, output, code, self.agg, parallel, assign=assign)
+        kernel = loop_kernel(inputs, output, code, self.agg, parallel, assign=assign)
+        with all_cores(parallel):
+            kernel(out, *tiles)
 
     def batched(self) -> TileEinsum:
         """The same einsum with a leading batch index on every operand and the output."""
@@ -90,10 +93,10 @@ class TileEinsum:
         elif self._matmul_layout is not None:
             self._product(out, tiles, assign=True)
         elif self.elementwise:
-            self._loop(out, assign=True)(out, *tiles)
+            self._loop(out, tiles, assign=True)
         else:
             self.init(out)
-            self._loop(out)(out, *tiles)
+            self._loop(out, tiles)
 
     def accumulate(self, out: np.ndarray, tiles: list[np.ndarray]) -> None:
         """Aggregate this tile set into ``out``, which holds a running aggregate. With CSR
@@ -103,7 +106,7 @@ class TileEinsum:
         elif self._matmul_layout is not None:
             self._product(out, tiles, assign=False)
         else:
-            self._loop(out)(out, *tiles)
+            self._loop(out, tiles)
 
     def _product(self, out: np.ndarray, tiles: list[np.ndarray], assign: bool) -> None:
         """The BLAS contraction of two tiles written into (``assign``) or added to ``out``."""
@@ -119,10 +122,12 @@ class TileEinsum:
         )
         natural = batch + left + right
         if natural == list(self.output) and assign and out.flags.c_contiguous:
-            np.matmul(a3, b3, out=out.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
+            with all_cores():
+                np.matmul(a3, b3, out=out.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
             return
-        product = np.matmul(a3, b3).reshape([size[c] for c in natural]).transpose(
-            [natural.index(c) for c in self.output])
+        with all_cores():
+            product = np.matmul(a3, b3)
+        product = product.reshape([size[c] for c in natural]).transpose([natural.index(c) for c in self.output])
         if assign:
             out[...] = product
         else:

@@ -27,6 +27,7 @@ import pyarrow as pa
 from tra_sql.errors import CorruptTileError, ShapeError
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
 from tra_sql.udfs.codegen import canonical, loop_kernel
+from tra_sql.udfs.cores import all_cores
 
 PARALLEL_ENTRIES = 1 << 16  # CSR outputs with this many entries are computed on several threads
 
@@ -184,7 +185,8 @@ def accumulate(inputs: tuple[str, ...], output: str, join_code: str | None, agg:
     parallel = output == pattern and len(first.data) >= PARALLEL_ENTRIES
     kernel = loop_kernel(canonical_inputs, canonical_output, code, agg, parallel, tuple(sparse))
     rows = np.repeat(np.arange(first.shape[0], dtype=np.int64), np.diff(first.indptr))
-    kernel(out, rows, first.indices, *[t.data if isinstance(t, CSRTile) else t for t in tiles])
+    with all_cores(parallel):
+        kernel(out, rows, first.indices, *[t.data if isinstance(t, CSRTile) else t for t in tiles])
 
 
 def _product(inputs: tuple[str, ...], output: str, out: np.ndarray, tiles: list, position: int, layout) -> None:
@@ -199,7 +201,8 @@ def _product(inputs: tuple[str, ...], output: str, out: np.ndarray, tiles: list,
     direct = natural == list(output) and out.flags.c_contiguous
     target = out.reshape(n_kept, -1) if direct else np.zeros((n_kept, operand.shape[1]), out.dtype)
     kernel = _kernels().csr_t_dense if inputs[position][1] == kept else _kernels().csr_dense
-    kernel(csr.indptr, csr.indices, csr.data, operand, target)
+    with all_cores():
+        kernel(csr.indptr, csr.indices, csr.data, operand, target)
     if not direct:
         sizes = [n_kept] + [dense.shape[sub.index(c)] for c in rest]
         out += target.reshape(sizes).transpose([natural.index(c) for c in output])
