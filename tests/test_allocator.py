@@ -34,3 +34,9 @@ def test_connect_applies_the_tuning_by_default():
 
 def test_system_leaves_glibc_defaults():
     assert probe(TRA_SQL_MALLOC="system") == "False"
+
+
+def test_an_unknown_setting_is_a_clear_error():
+    result = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, "TRA_SQL_MALLOC": "off"},
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "TRA_SQL_MALLOC='off'" in result.stderr

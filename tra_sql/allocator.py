@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from tra_sql.errors import TraError
+
 KEEP_BYTES = 1 << 30
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -33,7 +35,10 @@ def retain_freed_memory() -> bool:
     """Apply the tuning once per process (unless ``TRA_SQL_MALLOC=system`` or not glibc);
     True when it is in effect."""
     global _applied
-    if not _applied and os.environ.get("TRA_SQL_MALLOC", "retain") != "system" and _glibc():
+    mode = os.environ.get("TRA_SQL_MALLOC", "retain")
+    if mode not in ("retain", "system"):
+        raise TraError(f"TRA_SQL_MALLOC={mode!r}: use 'retain' (the default) or 'system'")
+    if not _applied and mode == "retain" and _glibc():
         libc = ctypes.CDLL(None)
         _applied = all(libc.mallopt(param, value) == 1 for param, value in
                        ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_BYTES)))
