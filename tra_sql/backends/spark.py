@@ -25,7 +25,7 @@ from sqlglot import exp
 from tra_sql import catalog, errors, graph, relations
 from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, Steps, spark_steps
-from tra_sql.backends.warehouse import Warehouse, quote, write_parquet
+from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.decompose.cost import Constants
 from tra_sql.errors import ExecutionError, TraError
@@ -166,8 +166,7 @@ class SparkTraSession(Session):
         """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
         every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
         info = catalog.check_tile_table(name, tiles, shape, tile, dtype)
-        schema = pa.schema([(f"k{d}", pa.int32()) for d in range(len(info.shape))] + [("tile", pa.large_binary())])
-        tiles = tiles.cast(schema)
+        tiles = tiles.cast(tile_schema(len(info.shape)))
         self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
         return self.tensor(name)
 

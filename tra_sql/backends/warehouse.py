@@ -48,6 +48,11 @@ def literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def tile_schema(rank: int) -> pa.Schema:
+    """The columns of a tile relation of a rank-``rank`` tensor: ``k0..`` (INT), ``tile``."""
+    return pa.schema([(f"k{d}", pa.int32()) for d in range(rank)] + [("tile", pa.large_binary())])
+
+
 def write_parquet(table: pa.Table, directory: Path) -> None:
     """``table`` as one Parquet file in ``directory`` (created), in row groups of about
     ``ROW_GROUP_BYTES``."""
@@ -162,8 +167,7 @@ class Warehouse:
 
     def empty_tiles(self, name: str, directory: Path) -> None:
         """An empty tile relation shaped like tensor ``name``'s, written to ``directory``."""
-        keys = [(f"k{d}", pa.int32()) for d in range(len(self.lookup(name).shape))]
-        write_parquet(pa.schema(keys + [("tile", pa.large_binary())]).empty_table(), directory)
+        write_parquet(tile_schema(len(self.lookup(name).shape)).empty_table(), directory)
 
     def drop(self, name: str) -> None:
         """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
