@@ -225,11 +225,16 @@ def operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool, wh
 
 def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns) -> pa.Array:
     """The UDF's result: the computed tiles, or, with an epilogue, the epilogue's join
-    applied to each of them and to its other operands' tiles (``columns``)."""
+    applied to each of them and to its other operands' tiles (``columns``). The epilogue
+    overwrites the computed tiles when its result has their dtype (it is element-wise and its
+    output is laid out as they are: each element is read before it is written)."""
     epilogue = meta.epilogue
     if epilogue is None:
         return binary_array(buf, offsets)
-    out_buf, out_offsets, _ = allocate_tiles(epilogue.result, out_keys)
+    if epilogue.result.dtype == meta.result.dtype:
+        out_buf, out_offsets = buf, offsets
+    else:
+        out_buf, out_offsets, _ = allocate_tiles(epilogue.result, out_keys)
     rows = np.arange(len(out_keys))
     others, stacked = operand_tiles(epilogue, columns, rows, _uniform(shapes), epilogue.others)
     if stacked:
