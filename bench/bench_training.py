@@ -7,8 +7,9 @@
 
 Every (workload, framework) pair runs in a subprocess of its own, so each reports its own peak
 resident memory (DuckDB and the tile kernels live in the process). An epoch is one full-batch
-step (forward, backward, Adam) unless said otherwise; the first epoch (kernel compilation,
-plan building) is not timed. The out-of-core run trains an MLP in minibatches on data four
+step (forward, backward, Adam) unless said otherwise, timed to the end of its commit (the new
+weights written, as PyTorch's ``opt.step()`` writes them); the first epoch (kernel
+compilation, plan building) is not timed. The out-of-core run trains an MLP in minibatches on data four
 times DuckDB's ``memory_limit``, in a database file.
 """
 
@@ -41,9 +42,18 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def epoch_seconds(history) -> float:
-    """Median logged epoch time of a tra_sql run, without its first epoch (compilation)."""
-    return float(np.median(history.seconds[1:]))
+def timed_training(db, loss, params, epochs: int, **options):
+    """``db.train`` with Adam for one warm-up epoch (compilation) and ``epochs`` more:
+    (history, median seconds of the timed epochs, seconds of the first). An epoch is timed
+    from the end of the previous one to the end of its last commit (``History.seconds`` stops
+    before that commit, which writes the new weights)."""
+    from tra_sql.optim import Adam
+
+    ends = [time.perf_counter()]
+    history = db.train(loss, list(params), Adam(lr=0.01), epochs + 1, progress=False,
+                       on_epoch=lambda *_: ends.append(time.perf_counter()), **options)
+    spans = np.diff(ends)
+    return history, float(np.median(spans[1:])), float(spans[0])
 
 
 def timed_epochs(step, epochs: int) -> float:
@@ -91,7 +101,6 @@ def ratings_data(users, items, count, k, seed=0):
 def tra_mlp(n, f, h, c, epochs, dtype):
     import tra_sql
     from tra_sql import nn
-    from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
     X, Y = mlp_data(n, f, c)
@@ -100,14 +109,13 @@ def tra_mlp(n, f, h, c, epochs, dtype):
     x, y = db.from_numpy("X", X.astype(dtype), tile=(rows, f)), db.from_numpy("Y", Y.astype(dtype), tile=(rows, c))
     p = {k: db.parameter(k, init=v, dtype=dtype) for k, v in mlp_weights(f, h, c).items()}
     loss = cross_entropy(db, nn.mlp(db, x, [(p["W1"], p["b1"]), (p["W2"], p["b2"])]), y, n)
-    return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
+    return timed_training(db, loss, p.values(), epochs, run="bench")[1]
 
 
 def tra_gcn(n, e, f, h, c, epochs, dtype):
     import pyarrow as pa
 
     import tra_sql
-    from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
     src, dst, X, labels = graph_data(n, e, f, c)
@@ -133,7 +141,7 @@ def tra_gcn(n, e, f, h, c, epochs, dtype):
     z = db.einsum("mc,c->mc", db.einsum("mn,nc->mc", A, db.einsum("nh,hc->nc", hid, p["W2"])), p["b2"],
                   join="x0 + x1")
     loss = cross_entropy(db, z, Y, int((np.arange(n) % 10 == 0).sum()))
-    return epoch_seconds(db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, run="bench", progress=False))
+    return timed_training(db, loss, p.values(), epochs, run="bench")[1]
 
 
 def tra_mf(users, items, count, k, epochs, dtype):
@@ -141,7 +149,6 @@ def tra_mf(users, items, count, k, epochs, dtype):
     import pyarrow as pa
 
     import tra_sql
-    from tra_sql.optim import Adam
 
     u, i, r = ratings_data(users, items, count, k)
     db = tra_sql.connect()
@@ -152,8 +159,7 @@ def tra_mf(users, items, count, k, epochs, dtype):
     params = {name: db.parameter(f"mf_{name}", init=v, dtype=dtype) for name, v in weights.items()}
     mean = db.from_numpy("mf_mean", np.array(sizes["mean"], dtype))
     loss = mf.squared_error(db, params, mean, "train", 1 / sizes["train"])
-    return epoch_seconds(db.train(loss, list(params.values()), Adam(lr=0.01), epochs + 1, run="bench",
-                                  progress=False))
+    return timed_training(db, loss, params.values(), epochs, run="bench")[1]
 
 
 def tra_ooc(n, f, h, batches, epochs, dtype):
@@ -161,7 +167,6 @@ def tra_ooc(n, f, h, batches, epochs, dtype):
     quarter of the data."""
     import tra_sql
     from tra_sql import nn
-    from tra_sql.optim import Adam
 
     with tempfile.TemporaryDirectory() as tmp:
         data_mb = n * f * np.dtype(dtype).itemsize / 2**20
@@ -181,9 +186,8 @@ def tra_ooc(n, f, h, batches, epochs, dtype):
             out = nn.mlp(db, db.tensor(f"X{b}"), [(p["W1"], p["b1"]), (p["W2"], p["b2"])])
             return db.einsum("no,n->", out, db.tensor(f"y{b}"), join=f"(x0 - x1) * (x0 - x1) / {per}")
 
-        history = db.train(loss, list(p.values()), Adam(lr=0.01), epochs + 1, batches=batches, run="ooc",
-                           progress=False)
-        return {"epoch_s": epoch_seconds(history), "first_epoch_s": history.seconds[0], "data_mb": data_mb,
+        history, epoch_s, first_s = timed_training(db, loss, p.values(), epochs, batches=batches, run="ooc")
+        return {"epoch_s": epoch_s, "first_epoch_s": first_s, "data_mb": data_mb,
                 "memory_limit": limit, "loss": history.losses}
 
 
