@@ -312,6 +312,20 @@ def test_store_catalog_and_drop(sdb):
         sdb.tensor("sC")
 
 
+def test_replacing_a_tensor_shows_its_new_tiles(sdb):
+    """A replacement with the same catalog row keeps the Spark table (only its files change);
+    one with a new geometry gets a new row and table. Spark SQL reads the new tiles either way."""
+    sdb.from_numpy("rX", np.zeros((4, 4)), tile=2, replace=True)
+    assert sdb.sql("SELECT count(*) AS n FROM rX").collect()[0].n == 4  # Spark lists the files
+    sdb.einsum("ij->ij", sdb.from_numpy("rOnes", np.ones((4, 4)), tile=2, replace=True)).store("rX", replace=True)
+    tiles = sdb.sql("SELECT tile FROM rX").collect()  # files of other names than the first's
+    assert len(tiles) == 4 and sum(np.frombuffer(row.tile).sum() for row in tiles) == 16
+    sdb.from_numpy("rX", np.arange(6.0), tile=(3,), replace=True)
+    assert sdb.tensor("rX").shape == (6,)
+    assert dict(sdb.sql("SELECT * FROM rX").dtypes) == {"k0": "int", "tile": "binary"}
+    np.testing.assert_array_equal(sdb.einsum("i->i", "rX").numpy(), np.arange(6.0))
+
+
 def test_warehouse_reopens(sdb):
     sdb.from_numpy("wX", np.arange(12.0).reshape(3, 4), tile=2, replace=True)
     sdb.spark.sql("DROP TABLE wX")  # as if a new Spark application opened the warehouse

@@ -108,11 +108,19 @@ class Warehouse:
         return pa.concat_tables([pq.read_table(f, schema=CATALOG_SCHEMA) for f in files]).to_pylist() if files else []
 
     def lookup(self, name: str) -> TensorInfo:
-        for row in self.rows():
-            if row["name"].lower() == name.lower():
-                return TensorInfo(row["name"], np.dtype(row["dtype"]), tuple(row["shape"]), tuple(row["tile_shape"]),
-                                  row["layout"] or "dense")
-        raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
+        entry = self.entry(name)
+        if entry is None:
+            raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
+        return entry
+
+    def entry(self, name: str) -> TensorInfo | None:
+        """Tensor ``name``'s catalog row, if it has one."""
+        path = self._catalog_file(name)
+        if not path.exists():
+            return None
+        row = pq.read_table(path, schema=CATALOG_SCHEMA).to_pylist()[0]
+        return TensorInfo(row["name"], np.dtype(row["dtype"]), tuple(row["shape"]), tuple(row["tile_shape"]),
+                          row["layout"] or "dense")
 
     def tensors(self) -> list[str]:
         return sorted(row["name"] for row in self.rows())
@@ -140,13 +148,14 @@ class Warehouse:
     def _publish(self, name: str, staging: Path, info: TensorInfo | None) -> None:
         """Directory ``staging`` becomes table ``name`` (two renames: the old table aside,
         the new one in; ``recover`` undoes the first if a crash comes between them), with
-        ``info``'s catalog row (else none)."""
-        old = self.root / "_staging" / f"{uuid.uuid4().hex}.{name.lower()}.old"
+        ``info``'s catalog row (else none). A tensor that keeps its catalog row keeps its
+        Spark table, whose listing of files is refreshed."""
+        if info is not None and info == self.entry(name) and self.spark.catalog.tableExists(name):
+            self._swap(name, staging)
+            self.spark.sql(f"REFRESH TABLE {quote(name)}")
+            return
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
-        if self.path(name).exists():
-            self.path(name).rename(old)
-        staging.rename(self.path(name))
-        shutil.rmtree(old, ignore_errors=True)
+        self._swap(name, staging)
         if info is not None:
             keys = ", ".join(f"k{d} INT" for d in range(len(info.shape)))
             self.attach(name, f"({keys}{', ' if keys else ''}tile BINARY)")
@@ -160,10 +169,19 @@ class Warehouse:
             self.attach(name)
         self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
 
+    def _swap(self, name: str, staging: Path) -> None:
+        """Directory ``staging`` becomes directory ``name`` by two renames, the old one set
+        aside first (see ``recover``)."""
+        old = self.root / "_staging" / f"{uuid.uuid4().hex}.{name.lower()}.old"
+        if self.path(name).exists():
+            self.path(name).rename(old)
+        staging.rename(self.path(name))
+        shutil.rmtree(old, ignore_errors=True)
+
     def publish(self, directory: Path, name: str) -> None:
         """The Parquet files in ``directory`` (moved) become table ``name``'s, which keeps its
         catalog row (if it has one)."""
-        self._publish(name, directory, self.lookup(name) if self._catalog_file(name).exists() else None)
+        self._publish(name, directory, self.entry(name))
 
     def empty_tiles(self, name: str, directory: Path) -> None:
         """An empty tile relation shaped like tensor ``name``'s, written to ``directory``."""
