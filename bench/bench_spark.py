@@ -270,7 +270,7 @@ def main() -> None:
         n, e, f, h, c = args.gcn
         print(f"\nGCN epoch: {n} nodes, {e} random edges + self loops, {f} features, hidden {h}, {c} classes, "
               f"float64, adjacency in CSR {args.block}² tiles (MLlib: sparse blocks); tra_sql: the second "
-              f"epoch's time (forward, backward, Adam step); MLlib: median of {args.repeat} after a warm-up",
+              f"epoch's time (forward, backward, Adam step, commit); MLlib: median of {args.repeat} after a warm-up",
               flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
             t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory)
