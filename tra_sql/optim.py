@@ -95,12 +95,17 @@ class SGD(Optimizer):
         self.slots = ("momentum",) if self.momentum else ()
 
     def update(self, db, name, w, g, state, scalars):
+        """With momentum, the new parameter reads the old buffer (the new one is written out
+        in its join), as Adam's reads the old moments."""
         wd, mu = self.decay(name), self.momentum
         if not mu:
             return {"param": _ew(db, [w, g, scalars["lr"]], 1, f"x0 - x2 * {_decayed('x1', 'x0', wd)}")}
         buf = _ew(db, [state["momentum"], g, w], 0, f"{_f(mu)} * x0 + {_decayed('x1', 'x2', wd)}")
-        step = f"({_decayed('x2', 'x0', wd)} + {_f(mu)} * x1)" if self.nesterov else "x1"
-        return {"param": _ew(db, [w, buf, g, scalars["lr"]], 1, f"x0 - x3 * {step}"), "momentum": buf}
+        d = _decayed("x2", "x0", wd)
+        new_buf = f"({_f(mu)} * x1 + {d})"
+        step = f"({d} + {_f(mu)} * {new_buf})" if self.nesterov else new_buf
+        return {"param": _ew(db, [w, state["momentum"], g, scalars["lr"]], 1, f"x0 - x3 * {step}"),
+                "momentum": buf}
 
 
 @dataclass
@@ -121,18 +126,24 @@ class Adam(Optimizer):
         lr = self.rate(step)
         return {"lr": lr, "step_size": lr / (1 - b1 ** step), "inv_bc2": 1 / math.sqrt(1 - b2 ** step)}
 
-    def update(self, db, name, w, g, state, scalars):
+    def moments(self, m: str, v: str, d: str) -> tuple[str, str]:
+        """The new moments' expressions, given the old ones' and the decayed gradient's."""
         b1, b2 = self.betas
+        return f"({_f(b1)} * {m} + {_f(1 - b1)} * {d})", f"({_f(b2)} * {v} + {_f(1 - b2)} * {d} * {d})"
+
+    def update(self, db, name, w, g, state, scalars):
+        """The new parameter reads the old moments (the new ones are written out in its join),
+        so it does not wait for the moment steps, nor read their results a second time."""
         wd = 0.0 if self.decoupled else self.decay(name)
-        d = _decayed("x1", "x2", wd)
-        m = _ew(db, [state["m"], g, w], 0, f"{_f(b1)} * x0 + {_f(1 - b1)} * {d}")
-        v = _ew(db, [state["v"], g, w], 0, f"{_f(b2)} * x0 + {_f(1 - b2)} * {d} * {d}")
-        step = f"x3 * x1 / (sqrt(x2) * x4 + {_f(self.eps)})"
+        m = _ew(db, [state["m"], g, w], 0, self.moments("x0", "", _decayed("x1", "x2", wd))[0])
+        v = _ew(db, [state["v"], g, w], 0, self.moments("", "x0", _decayed("x1", "x2", wd))[1])
+        new_m, new_v = self.moments("x1", "x2", _decayed("x3", "x0", wd))
+        step = f"x4 * {new_m} / (sqrt({new_v}) * x5 + {_f(self.eps)})"
+        operands = [w, state["m"], state["v"], g, scalars["step_size"], scalars["inv_bc2"]]
         if self.decoupled and self.decay(name):
-            new = _ew(db, [w, m, v, scalars["step_size"], scalars["inv_bc2"], scalars["lr"]], 3,
-                      f"x0 - x5 * {_f(self.decay(name))} * x0 - {step}")
+            new = _ew(db, operands + [scalars["lr"]], 3, f"x0 - x6 * {_f(self.decay(name))} * x0 - {step}")
         else:
-            new = _ew(db, [w, m, v, scalars["step_size"], scalars["inv_bc2"]], 2, f"x0 - {step}")
+            new = _ew(db, operands, 2, f"x0 - {step}")
         return {"param": new, "m": m, "v": v}
 
 
