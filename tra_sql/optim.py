@@ -135,8 +135,9 @@ class Adam(Optimizer):
         """The new parameter reads the old moments (the new ones are written out in its join),
         so it does not wait for the moment steps, nor read their results a second time."""
         wd = 0.0 if self.decoupled else self.decay(name)
-        m = _ew(db, [state["m"], g, w], 0, self.moments("x0", "", _decayed("x1", "x2", wd))[0])
-        v = _ew(db, [state["v"], g, w], 0, self.moments("", "x0", _decayed("x1", "x2", wd))[1])
+        own = self.moments("x0", "x0", _decayed("x1", "x2", wd))  # a moment's step: x0 its old value, x1 g, x2 W
+        m = _ew(db, [state["m"], g, w], 0, own[0])
+        v = _ew(db, [state["v"], g, w], 0, own[1])
         new_m, new_v = self.moments("x1", "x2", _decayed("x3", "x0", wd))
         step = f"x4 * {new_m} / (sqrt({new_v}) * x5 + {_f(self.eps)})"
         operands = [w, state["m"], state["v"], g, scalars["step_size"], scalars["inv_bc2"]]
