@@ -86,6 +86,22 @@ def test_other_einsums_run_over_the_entries(db, rng):
     np.testing.assert_allclose(sampled.numpy(), (count > 0) * count * (b[:, :3] @ b[:9, :3].T))
 
 
+def test_an_epilogue_over_a_csr_operand_runs_at_its_entries(db, rng):
+    """A product whose element-wise consumer joins a CSR relation laid out otherwise (so the
+    consumer is dense and fused into the product) gives, at the entries, the product plus the
+    entry, and zero elsewhere: the same as the two steps run apart."""
+    dense = edge_table(db, rng, (9, 9), 20)
+    A = db.relation("edges", ("dst", "src"), "w", (9, 9), name="A", layout="csr", tile=(4, 4))
+    x, w = rng.standard_normal((9, 5)), rng.standard_normal((5, 9))
+    product = db.einsum("ik,kj->ij", db.from_numpy("X", x, tile=(4, 5)), db.from_numpy("W", w, tile=(5, 4)))
+    fused = db.einsum("ij,ji->ij", product, A, join="x0 + x1")
+    assert fused.node.layout == "dense" and '"epilogue"' in fused.program().sql()
+    count = np.zeros((9, 9))
+    np.add.at(count, tuple(np.array(db.sql("SELECT dst, src FROM edges").fetchall()).T), 1)
+    expected = np.where(count.T > 0, count.T * (x @ w) + dense.T, 0)  # each entry (duplicates too) once
+    np.testing.assert_allclose(fused.numpy(), expected, atol=1e-12)
+
+
 def test_csr_operands_must_share_their_entries(db, rng):
     edge_table(db, rng, (6, 6), 10)
     A = db.relation("edges", ("dst", "src"), "w", (6, 6), name="A", layout="csr")

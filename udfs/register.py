@@ -226,12 +226,13 @@ def operand_tiles(meta: StepMeta, columns, elements: np.ndarray, stack: bool, wh
 def _finish(meta: StepMeta, out_keys: np.ndarray, buf, offsets, shapes, columns) -> pa.Array:
     """The UDF's result: the computed tiles, or, with an epilogue, the epilogue's join
     applied to each of them and to its other operands' tiles (``columns``). The epilogue
-    overwrites the computed tiles when its result has their dtype (it is element-wise and its
-    output is laid out as they are: each element is read before it is written)."""
+    overwrites the computed tiles when its result has their dtype and it has no CSR operand
+    (it is element-wise and laid out as they are, so each element is read before it is
+    written; a CSR operand's kernel clears its output first)."""
     epilogue = meta.epilogue
     if epilogue is None:
         return binary_array(buf, offsets)
-    if epilogue.result.dtype == meta.result.dtype:
+    if epilogue.result.dtype == meta.result.dtype and "csr" not in epilogue.layouts:
         out_buf, out_offsets = buf, offsets
     else:
         out_buf, out_offsets, _ = allocate_tiles(epilogue.result, out_keys)
