@@ -7,7 +7,7 @@ errors surface when the program is written, not when it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 
 import numpy as np
@@ -243,6 +243,20 @@ def _step(spec: EinsumSpec, operands: list[Node], sizes, tiles, dtype, join, agg
     shape = tuple(sizes[c] for c in spec.output)
     tile = tuple(tiles[c] for c in spec.output)
     return Einsum(shape, dtype, tile, spec, tuple(operands), join, agg)
+
+
+def with_inputs(node: Node, inputs) -> Node:
+    """``node`` reading ``inputs`` instead of its own inputs, every other field kept (the one
+    way to rebuild a node: a copy that forgets a field, such as a keyed sum's ``add``,
+    changes the answer)."""
+    inputs = tuple(inputs)
+    if all(a is b for a, b in zip(inputs, node.inputs)):
+        return node
+    if isinstance(node, Einsum):
+        return replace(node, operands=inputs)
+    if isinstance(node, Place):
+        return replace(node, sources=inputs)
+    raise TypeError(f"{node.label} has no inputs to replace")
 
 
 def topological(root: Node) -> list[Node]:

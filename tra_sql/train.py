@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import zlib
@@ -34,7 +33,7 @@ from tqdm.auto import tqdm
 
 from tra_sql import autodiff, catalog, graph, relations
 from tra_sql.errors import ShapeError, SpecError, TraError
-from tra_sql.graph import Einsum, Fill, Node, Place, Source
+from tra_sql.graph import Fill, Node, Source
 from tra_sql.optim import Optimizer
 from tra_sql.sqlgen import Program, grid_table
 
@@ -136,14 +135,7 @@ def _rebuild(node: Node, subst: dict[int, Node], memo: dict[int, Node]) -> Node:
         return subst[id(node)]
     if id(node) in memo:
         return memo[id(node)]
-    if isinstance(node, Einsum):
-        ops = tuple(_rebuild(c, subst, memo) for c in node.operands)
-        new = node if all(a is b for a, b in zip(ops, node.operands)) else dataclasses.replace(node, operands=ops)
-    elif isinstance(node, Place):
-        srcs = tuple(_rebuild(c, subst, memo) for c in node.sources)
-        new = node if all(a is b for a, b in zip(srcs, node.sources)) else dataclasses.replace(node, sources=srcs)
-    else:
-        new = node
+    new = graph.with_inputs(node, [_rebuild(c, subst, memo) for c in node.inputs]) if node.inputs else node
     memo[id(node)] = new
     return new
 

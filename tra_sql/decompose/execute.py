@@ -27,7 +27,7 @@ from tra_sql.decompose.plan import Plan, make_plan
 from tra_sql.decompose.problem import extract, is_retile
 from tra_sql.einsum import EinsumSpec
 from tra_sql.errors import TraError
-from tra_sql.graph import Einsum, Node, Place, Source, topological
+from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
 from tra_sql.sqlgen import Program, key
 
 if TYPE_CHECKING:
@@ -151,8 +151,7 @@ def run_staged(session: Session, root: Node, plan_: Plan) -> str:
                 tables[id(node)] = node.table
                 continue
             inputs = tuple(Source(c.shape, c.dtype, c.tile, tables[id(c)], c.layout) for c in node.inputs)
-            local = (replace(node, operands=inputs) if isinstance(node, Einsum)
-                     else replace(node, sources=inputs) if isinstance(node, Place) else node)
+            local = with_inputs(node, inputs) if inputs else node
             table = f"_tra_stage_{tag}_{k}"
             materialize(session, local, table, plan_.consts, budget)
             tables[id(node)] = table

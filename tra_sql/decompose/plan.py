@@ -224,7 +224,7 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
             new = graph.retile(visit(producer(node)), node.tile)
         elif isinstance(node, Place):
             sources = tuple(graph.retile(visit(producer(s)), s.tile) for s in node.sources)
-            new = Place(node.shape, node.dtype, node.tile, sources, node.offsets, node.flat)
+            new = graph.with_inputs(node, sources)
         elif isinstance(node, Einsum):
             operands = tuple(graph.retile(visit(producer(o)), o.tile) for o in node.operands)
             new = replace(node, operands=operands)
