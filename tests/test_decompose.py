@@ -236,3 +236,18 @@ def test_planned_gradient_with_a_keyed_sum_fan_out(db):
     ty = torch.tensor(E.numpy()) * tx
     (ty * torch.tanh(ty)).sum().backward()
     np.testing.assert_allclose(gx.numpy(plan=db.plan(gx, workers=2, memory="1GB")), tx.grad.numpy(), atol=1e-12)
+
+
+def test_failed_staged_plan_raises_a_tra_error_and_leaves_no_stage_table(db):
+    """A corrupt tile met inside a staged plan is a ``TraError``; neither the step's table
+    (created inside ``materialize``) nor a band's accumulator is left behind."""
+    rng = np.random.default_rng(1)
+    A, B = rng.random((40, 64)), rng.random((64, 30))
+    C = db.einsum("ij,jk->ik", db.from_numpy("A", A, tile=(10, 16)), db.from_numpy("B", B, tile=(16, 10)))
+    plan = make_plan(C.node, 1, 80000, CONSTS, base=(1, 2, 4), yardsticks=False)
+    assert plan.staged and max(op.bands for op in plan.ops) > 1
+    db.con.execute('UPDATE "A" SET tile = tile[1:5] WHERE k0 = 3 AND k1 = 2').fetchall()  # truncated
+    with pytest.raises(tra_sql.TraError):
+        C.store("C", plan=plan)
+    tables = [t for (t,) in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+    assert "C" not in tables and not [t for t in tables if t.startswith("_tra_stage")]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import duckdb
 import numpy as np
 import pyarrow as pa
@@ -11,12 +9,11 @@ from sqlglot import exp
 
 from tra_sql import allocator, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
+from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
 from tra_sql.sqlgen import Program
 from tra_sql.tensor import Tensor
 from tra_sql.udfs import register_kernels
-
-UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+): (.*)", re.S)
 
 
 def connect(database: str = ":memory:", *, threads: int | None = None,
@@ -46,16 +43,6 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
     except duckdb.Error as err:
         raise ExecutionError(f"cannot open database {database!r}: {err}") from None
     return Session(con, read_only=read_only)
-
-
-def translate(err: duckdb.Error, what: str) -> TraError:
-    """A ``TraError`` for an engine error; errors raised in tile UDFs keep their class."""
-    match = UDF_ERROR.search(str(err))
-    if match and isinstance(getattr(errors, match.group(1), None), type):
-        cls = getattr(errors, match.group(1))
-        if issubclass(cls, TraError):
-            return cls(match.group(2).strip())
-    return ExecutionError(f"{what} failed: {err}")
 
 
 class Session:

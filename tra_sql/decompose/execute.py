@@ -25,6 +25,7 @@ from tra_sql.catalog import TensorInfo
 from tra_sql.decompose.cost import Budget, Constants, op_cost, parse_bytes, repartition_bands, retile_traffic
 from tra_sql.decompose.plan import Plan, make_plan
 from tra_sql.decompose.problem import extract, is_retile
+from tra_sql.duckdb_errors import translate
 from tra_sql.einsum import EinsumSpec
 from tra_sql.errors import TraError
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
@@ -153,14 +154,16 @@ def run_staged(session: Session, root: Node, plan_: Plan) -> str:
             inputs = tuple(Source(c.shape, c.dtype, c.tile, tables[id(c)], c.layout) for c in node.inputs)
             local = with_inputs(node, inputs) if inputs else node
             table = f"_tra_stage_{tag}_{k}"
+            owned.add(table)  # before it exists: a failure inside materialize drops it too
             materialize(session, local, table, plan_.consts, budget)
             tables[id(node)] = table
-            owned.add(table)
             done = [tables[id(c)] for c in node.inputs if last_use.get(id(c)) == k and tables[id(c)] in owned]
             _drop(session, done)
             owned -= set(done)
-    except BaseException:
+    except BaseException as err:
         _drop(session, sorted(owned))
+        if isinstance(err, duckdb.Error):
+            raise translate(err, f"computing {root.label} in stages") from None
         raise
     return tables[id(root)]
 
@@ -275,22 +278,28 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
     agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     acc = None
-    for s, agg_box in enumerate(agg_boxes):
-        target = table if s == len(agg_boxes) - 1 else f"{table}_a{s}"
-        if target != table:
-            _create(session, target, len(node.shape), temp=True)
-        shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
-        band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
-        program = Program.compile(band if acc is None else _accumulate(band, acc))
-        session._prepare(program)
-        for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
-            ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
-            query = _restrict(program.query(), node, {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)},
-                              shift)
-            session.con.execute(f'INSERT INTO "{target}" {query.sql(dialect="duckdb")}').fetchall()
-        if acc is not None:
-            _drop(session, [acc.table])
-        acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
+    partial: list[str] = []  # accumulator tables of earlier bands, dropped on failure too
+    try:
+        for s, agg_box in enumerate(agg_boxes):
+            target = table if s == len(agg_boxes) - 1 else f"{table}_a{s}"
+            if target != table:
+                partial.append(target)
+                _create(session, target, len(node.shape), temp=True)
+            shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
+            band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
+            program = Program.compile(band if acc is None else _accumulate(band, acc))
+            session._prepare(program)
+            for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
+                ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
+                query = _restrict(program.query(), node,
+                                  {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)}, shift)
+                session.con.execute(f'INSERT INTO "{target}" {query.sql(dialect="duckdb")}').fetchall()
+            if acc is not None:
+                _drop(session, [acc.table])
+            acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
+    except BaseException:
+        _drop(session, partial)
+        raise
 
 
 def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
