@@ -18,7 +18,9 @@ from functools import cache
 from pathlib import Path
 
 AGG_UPDATE = {
-    "sum": "acc = acc + v",
+    # a compensated sum (Neumaier's, branch-free): ``err`` keeps what each addition rounded
+    # off, so a long sum keeps ~1e-16 relative error whatever the tiling (exact on integers)
+    "sum": "t = acc + v; w = t - acc; err = err + ((acc - (t - w)) + (v - w)); acc = t",
     "prod": "acc = acc * v",
     "max": "acc = max(acc, v)",
     "min": "acc = min(acc, v)",
@@ -108,6 +110,8 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         raise ValueError(f"kernel {inputs}->{output} aggregates: it cannot assign its values")
     if not assign:
         lines.append(f"{indent}acc = {out_ref}")
+        if agg == "sum":
+            lines.append(f"{indent}err = acc - acc")
     outer = indent
     for ch in order[split:]:
         loop(ch, False)
@@ -119,8 +123,9 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     if assign:
         lines.append(f"{indent}{out_ref} = v")
     else:
-        lines.append(f"{indent}{AGG_UPDATE[agg]}")
-        lines.append(f"{outer}{out_ref} = acc")
+        lines.extend(f"{indent}{update}" for update in AGG_UPDATE[agg].split("; "))
+        # an infinite or NaN sum stays as it is (its rounding error is NaN)
+        lines.append(f"{outer}{out_ref} = {'acc + err if acc - acc == 0 else acc' if agg == 'sum' else 'acc'}")
     return "\n".join(lines) + "\n"
 
 
