@@ -1,6 +1,7 @@
 """EinDecomp: the DP against exhaustive search and the presets, memory limits, and plans
 executed in the engine against numpy."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -251,3 +252,16 @@ def test_failed_staged_plan_raises_a_tra_error_and_leaves_no_stage_table(db):
         C.store("C", plan=plan)
     tables = [t for (t,) in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
     assert "C" not in tables and not [t for t in tables if t.startswith("_tra_stage")]
+
+
+def test_calibration_measured_for_real_plans_correctly(db):
+    """The calibration run as a user runs it (no stand-ins), then a plan under its constants."""
+    consts = db.calibrate()
+    measured = dataclasses.asdict(consts)
+    assert consts.peak_flops > 0 and all(np.isfinite(v) and v >= 0 for v in measured.values()), measured
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((48, 40)), rng.standard_normal((40, 24))
+    C = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=(16, 8)), db.from_numpy("B", b, tile=(8, 24)))
+    plan = db.plan(C, workers=2, memory="20KB")
+    assert plan.consts == consts
+    np.testing.assert_allclose(C.numpy(plan=plan), a @ b, rtol=1e-10)

@@ -7,8 +7,9 @@ program (``db.grad(loss, [W])[0].sql()`` shows it):
   einsum whose join is ``x0 * <symbolic derivative>`` (``tra_sql.derivative``). With the
   default product join the derivative is the product of the other operands, so the gradient
   is again a plain contraction (BLAS). Operands the derivative does not use are dropped when
-  their relation is dense (an index seen only there scales by its size); sparse ones stay as
-  join filters under a non-product join (inner-join semantics), and a sparse ``x_i`` filters
+  their relation is dense (an index seen only there scales by its size); CSR ones stay as
+  join filters under a non-product join (only their entries take part; a dense operand that
+  lacks tiles was completed with zeros, see ``tra_sql.absent``), and a sparse ``x_i`` filters
   its own gradient, so a gradient with respect to a sparse relation exists at its keys only.
 - ``agg='max'``/``'min'``: the gradient goes to the elements equal to the result, split evenly
   among ties (as ``torch.amax``): ``dOut · [⊗ = out] / count(⊗ = out) · ∂⊗/∂x_i``. float32
@@ -32,6 +33,7 @@ import numpy as np
 from sqlglot import exp
 
 from tra_sql import graph
+from tra_sql.absent import Completeness
 from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql, variables
 from tra_sql.errors import DTypeError, ShapeError
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
@@ -48,7 +50,7 @@ class Context:
 
     source_dense: Callable[[Source], bool]
     eye: Callable[[int, np.dtype], Node]
-    memo: dict[int, bool] = field(default_factory=dict)
+    complete: Completeness = field(init=False)
     cache: dict[tuple, Node] = field(default_factory=dict)
     #: (primal, gradient) id pairs where the gradient's tiles lie within the primal's tiles
     tight: set[tuple[int, int]] = field(default_factory=set)
@@ -58,34 +60,8 @@ class Context:
         and the elements a CSR tile leaves out, are zeros)."""
         return node.layout == "dense" and self.complete(node)
 
-    def complete(self, node: Node) -> bool:
-        """Whether a tile is present at every key of ``node`` (whatever its layout)."""
-        if id(node) not in self.memo:
-            self.memo[id(node)] = self._complete(node)
-        return self.memo[id(node)]
-
-    def _complete(self, node: Node) -> bool:
-        if isinstance(node, Fill):
-            return True
-        if isinstance(node, Source):
-            return self.source_dense(node)
-        if isinstance(node, Einsum):  # an inner join of complete operands has every output key
-            return all(self.complete(op) for op in node.operands)
-        if isinstance(node, Place):
-            if node.flat:
-                return self.complete(node.sources[0])
-            volumes = [_covered(node, m) for m in range(len(node.sources))]
-            total = prod(node.shape)
-            if node.add:
-                return any(v == total and self.complete(s) for v, s in zip(volumes, node.sources))
-            return all(self.complete(s) for s in node.sources) and sum(volumes) >= total
-        return False
-
-
-def _covered(node: Place, m: int) -> int:
-    """Elements of ``node``'s output that source ``m`` covers."""
-    src, off = node.sources[m], node.offsets[m]
-    return prod(max(0, min(n, o + s) - max(0, o)) for n, o, s in zip(node.shape, off, src.shape))
+    def __post_init__(self):
+        self.complete = Completeness(self.source_dense)  # a tile at every key of a node?
 
 
 def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None = None) -> list[Node]:
@@ -166,7 +142,8 @@ def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expressio
     subs, target, o = node.spec.inputs, node.spec.inputs[i], node.spec.output
     candidates = list(lead) + list(zip(subs, node.operands))
     used = variables(expr)
-    # Sparse operands stay as join filters: a non-product join has inner-join semantics, and the
+    # Sparse operands stay as join filters: under a non-product join only a CSR operand's entries
+    # take part (a dense one that lacks tiles was completed, see tra_sql.absent), and the
     # gradient of a sparse operand itself exists at its keys only (no dense outer products). A
     # filter is redundant where the output's gradient lies within the output's tiles (the
     # forward join already kept only keys where every operand has a tile) and covers its indices.

@@ -5,8 +5,8 @@ the tensor-relation columns ``k0, k1, tile`` over table ``edges`` and a catalog 
 table's rows are the nonzeros of an (N, N) tensor and joins against it are ordinary einsums:
 
 - with ``tile=None`` every row is one 1x1 tile: ``tra_pack(value)`` reinterprets the value
-  column's bytes, and absent keys are zeros under sum-of-products (inner-join semantics for
-  other joins, see ``Session.einsum``);
+  column's bytes, and absent keys are zeros (under a join other than the product the view is
+  completed with zero tiles, see ``tra_sql.absent``: use ``layout="csr"`` for a large one);
 - with a ``tile`` shape, rows are grouped into dense blocks (``tra_pack_tile``); absent
   blocks are zeros, and elements inside a block that no row names are zeros too;
 - with ``layout="csr"`` (matrices), rows are grouped into blocks (default: one block) kept
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 PACK = {"float64": "tra_pack", "float32": "tra_pack_f32"}
 UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr")
-LAYOUTS = ("dense", "csr")
 
 
 def ensure_udfs(db: Session) -> None:
@@ -92,8 +91,8 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
 def relation_tile(name: str, shape: tuple[int, ...], layout: str, tile) -> tuple[int, ...]:
     """The tile shape of relation ``name`` in ``layout`` (checked): ``tile``, by default one
     element per tile (``dense``) or the whole matrix (``csr``, which needs two dimensions)."""
-    if layout not in LAYOUTS:
-        raise SpecError(f"relation {name!r}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout not in catalog.LAYOUTS:
+        raise SpecError(f"relation {name!r}: layout {layout!r} is not one of {', '.join(catalog.LAYOUTS)}")
     if layout == "csr" and len(shape) != 2:
         raise ShapeError(f"relation {name!r}: a csr layout needs two key columns (a matrix), not {len(shape)}")
     default = shape if layout == "csr" else (1,) * len(shape)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from math import prod
+
 import duckdb
 import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import allocator, catalog, errors, graph, structure
+from tra_sql import absent, allocator, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
 from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
@@ -113,6 +115,19 @@ class Session:
         """Drop tensor relation ``name`` and its catalog row."""
         catalog.drop_tensor(self.con, name)
 
+    def check(self, repair: bool = False) -> list[catalog.Finding]:
+        """Every disagreement between the catalog and the tensor tables (a full scan of every
+        tile), as ``Finding(tensor, problem, detail, repaired)``; ``repair`` deletes the
+        catalog rows whose table is gone (tables without a row are only reported)."""
+        try:
+            return catalog.check(self.con, repair)
+        except duckdb.Error as err:
+            raise translate(err, "checking the catalog") from None
+
+    def completeness(self) -> absent.Completeness:
+        """Which nodes have a tile at every key, stored relations counted now."""
+        return absent.Completeness(lambda source: self.tile_count(source.table) >= prod(source.grid))
+
     def tile_count(self, table: str) -> int:
         """Rows (tiles) of table ``table``."""
         return self.con.execute(f'SELECT count(*) FROM "{table}"').fetchall()[0][0]
@@ -133,12 +148,15 @@ class Session:
 
         ``operands`` are Tensors or names of stored tensors. ``join`` is a SQL scalar
         expression over ``x0..xn`` (default: their product); ``agg`` is sum, max, min or prod.
+        An absent tile of a dense operand is a tile of zeros under every join and ``agg``
+        (``tra_sql.absent``).
         """
         nodes, names = zip(*(self._node(op) for op in operands)) if operands else ((), ())
         if join is not None:
             from tra_sql.udfs.expr import join_code
             join_code(join, len(nodes))
-        return Tensor(self, graph.einsum(spec, list(nodes), list(names), join, agg))
+        node = graph.einsum(spec, list(nodes), list(names), join, agg)
+        return Tensor(self, absent.complete_operands(node, self.completeness()))
 
     def retile(self, tensor, tile) -> Tensor:
         """``tensor`` cut into tiles of shape ``tile`` (in SQL)."""

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import catalog
+from tra_sql import catalog, graph
 from tra_sql.catalog import TensorInfo
 from tra_sql.decompose.cost import Budget, Constants, op_cost, parse_bytes, repartition_bands, retile_traffic
 from tra_sql.decompose.plan import Plan, make_plan
@@ -278,6 +278,7 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
     agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     acc = None
+    complete = session.completeness()(node)
     partial: list[str] = []  # accumulator tables of earlier bands, dropped on failure too
     try:
         for s, agg_box in enumerate(agg_boxes):
@@ -287,7 +288,7 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
                 _create(session, target, len(node.shape), temp=True)
             shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
             band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
-            program = Program.compile(band if acc is None else _accumulate(band, acc))
+            program = Program.compile(band if acc is None else _accumulate(band, acc, complete))
             session._prepare(program)
             for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
                 ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
@@ -329,9 +330,13 @@ def _keyed_scans(session: Session):
         con.execute(f"SET disabled_optimizers = '{before}'").fetchall()
 
 
-def _accumulate(node: Einsum, acc: Source) -> Einsum:
-    """``node`` combined with the partial result ``acc`` of the bands before (the kernel adds
-    it to each contracted tile: an epilogue of the contraction)."""
+def _accumulate(node: Einsum, acc: Source, complete: bool) -> Node:
+    """``node`` combined with the partial result ``acc`` of the bands before: the kernel adds
+    it to each contracted tile (an epilogue of the contraction) when every band has every
+    tile (``complete``), else a keyed sum, where a tile absent from one side is zeros (sums
+    only: other aggregations read complete operands, see ``tra_sql.absent``)."""
+    if not complete and node.agg == "sum":
+        return graph.add([node, acc])
     out = node.spec.output
     return Einsum(node.shape, node.dtype, node.tile, EinsumSpec((out, out), out), (node, acc), COMBINE[node.agg], "sum")
 
