@@ -81,7 +81,7 @@ def test_compute_overwrites_out_without_a_fill():
              (TileEinsum(("ij",), "ji", "x0", agg="max"), [x], x.T),  # an element-wise max keeps NaN
              (TileEinsum(("ij", "jk"), "ik"), [x, w], x @ w),
              (TileEinsum(("ij", "jk"), "ki"), [x, w], (x @ w).T),
-             (TileEinsum(("ij",), "j", "x0", agg="min"), [x], np.fmin.reduce(x, axis=0))]
+             (TileEinsum(("ij",), "j", "x0", agg="min"), [x], np.min(x, axis=0))]  # NaN wins, as in NumPy
     for kernel, tiles, expected in cases:
         out = np.full(expected.shape, 7.0)
         kernel.compute(out, tiles)
@@ -125,3 +125,11 @@ def test_loop_sums_are_compensated_whatever_the_tiling():
     ints = np.zeros((), dtype=np.int64)
     TileEinsum(("i",), "", "x0").compute(ints, [np.arange(1000, dtype=np.int64)])
     assert ints[()] == 499500
+
+
+@pytest.mark.parametrize("agg, reduce", [("max", np.max), ("min", np.min)])
+def test_loop_max_and_min_propagate_nan_as_numpy_does(agg, reduce):
+    x = np.array([[np.nan, np.inf, 1.0], [np.inf, np.nan, -np.inf], [2.0, -1.0, 3.0]])
+    out = np.empty(3)
+    TileEinsum(("ij",), "i", "x0", agg).compute(out, [x])
+    np.testing.assert_array_equal(out, reduce(x, axis=1))

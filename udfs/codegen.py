@@ -22,8 +22,9 @@ AGG_UPDATE = {
     # off, so a long sum keeps ~1e-16 relative error whatever the tiling (exact on integers)
     "sum": "t = acc + v; w = t - acc; err = err + ((acc - (t - w)) + (v - w)); acc = t",
     "prod": "acc = acc * v",
-    "max": "acc = max(acc, v)",
-    "min": "acc = min(acc, v)",
+    # NaN wins, as in NumPy's max and min (``acc != acc`` only for NaN)
+    "max": "acc = acc if acc != acc or acc >= v else v",
+    "min": "acc = acc if acc != acc or acc <= v else v",
 }
 
 
