@@ -5,6 +5,7 @@ into SQL that joins tiles, runs Numba/BLAS tile kernels as UDFs and aggregates w
 """
 
 from tra_sql.errors import (
+    CatalogDriftError,
     CorruptTileError,
     DTypeError,
     ExecutionError,
@@ -20,6 +21,6 @@ from tra_sql.tensor import Tensor
 
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
-    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "ExecutionError", "SQLError",
+    "UnknownTensorError", "TensorExistsError", "CorruptTileError", "CatalogDriftError", "ExecutionError", "SQLError",
 ]
 __version__ = "0.1.0"

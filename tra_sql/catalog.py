@@ -11,8 +11,10 @@ from math import ceil, prod
 import duckdb
 import numpy as np
 import pyarrow as pa
+from sqlglot import exp
 
 from tra_sql.errors import (
+    CatalogDriftError,
     CorruptTileError,
     DTypeError,
     ShapeError,
@@ -25,6 +27,8 @@ from tra_sql.udfs.arrowio import binary_views
 
 CATALOG_TABLE = "tra_tensors"
 DTYPES = ("float32", "float64", "int32", "int64")
+LAYOUTS = ("dense", "csr")
+KEY_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_TILE_ELEMENTS = 1 << 20
 
@@ -94,14 +98,34 @@ def ensure_catalog(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(catalog_ddl()).fetchall()
 
 
-def lookup(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo:
-    rows = con.execute(
-        f"SELECT name, dtype, shape, tile_shape, layout FROM {CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]
-    ).fetchall()
+def _row(con: duckdb.DuckDBPyConnection, name: str) -> tuple:
+    """The catalog row (name, dtype, shape, tile_shape, layout) of ``name``, as stored."""
+    try:
+        rows = con.execute(f"SELECT name, dtype, shape, tile_shape, layout FROM {CATALOG_TABLE} "
+                           f"WHERE lower(name) = lower(?)", [name]).fetchall()
+    except duckdb.Error as err:
+        raise CatalogDriftError(f"{_unreadable_catalog(err)}; db.check() says more") from None
     if not rows:
-        raise UnknownTensorError(f"no tensor named '{name}' in the catalog")
-    stored, dtype, shape, tile, layout = rows[0]
-    return TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile), layout)
+        orphan = " (a table of that name exists without a catalog row: see db.check())" \
+            if object_kind(con, name) else ""
+        raise UnknownTensorError(f"no tensor named '{name}' in the catalog{orphan}")
+    return rows[0]
+
+
+def _unreadable_catalog(err: duckdb.Error) -> str:
+    return f"the catalog table {CATALOG_TABLE} cannot be read ({str(err).splitlines()[0]})"
+
+
+def lookup(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo:
+    """The catalog row of tensor ``name``, after checking it against its table: the row's
+    geometry, the table's columns and, for a table (not a view), its keys (``verify``)."""
+    stored, dtype, shape, tile, layout = _row(con, name)
+    problem = row_problem(dtype, shape, tile, layout)
+    if problem:
+        raise CatalogDriftError(f"tensor '{stored}': its catalog row is invalid: {problem}")
+    info = TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile), layout)
+    verify(con, info)
+    return info
 
 
 def list_tensors(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -120,6 +144,253 @@ def object_kind(con: duckdb.DuckDBPyConnection, name: str) -> str | None:
         "SELECT 'TABLE' FROM duckdb_tables() WHERE lower(table_name) = lower(?) "
         "AND database_name = current_database() AND schema_name = current_schema()", [name, name]).fetchall()
     return rows[0][0] if rows else None
+
+
+# -- drift and corruption: a catalog row checked against its table -----------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem ``check`` found: the tensor (or table), what is wrong (``no table``, ``no
+    catalog row``, ``no catalog table``, ``bad catalog row``, ``columns``, ``view``, ``null key``, ``key outside
+    grid``, ``duplicate key``, ``null tile``, ``tile size``, ``csr tile``), the details, and
+    whether ``repair`` fixed it."""
+
+    tensor: str
+    problem: str
+    detail: str
+    repaired: bool = False
+
+    @property
+    def message(self) -> str:
+        return f"tensor '{self.tensor}': {self.detail} (db.check() lists every problem)"
+
+
+def row_problem(dtype, shape, tile, layout) -> str | None:
+    """What is wrong with a catalog row's dtype, layout, shape and tile shape, or None."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype!r} is not one of {', '.join(DTYPES)}"
+    if layout not in LAYOUTS:
+        return f"layout {layout!r} is not one of {', '.join(LAYOUTS)}"
+    if shape is None or tile is None or len(shape) != len(tile):
+        return f"shape {shape} and tile shape {tile} differ in rank"
+    if any(n is None or n < 1 for n in shape):
+        return f"shape {tuple(shape)} has a dimension that is not positive"
+    if any(t is None or not 1 <= t <= n for t, n in zip(tile, shape)):
+        return f"tile shape {tuple(tile)} does not fit shape {tuple(shape)}"
+    if layout == "csr" and len(shape) != 2:
+        return f"layout csr needs two dimensions, not shape {tuple(shape)}"
+    return None
+
+
+def _view_problem(con: duckdb.DuckDBPyConnection, name: str) -> str | None:
+    """Why view ``name`` does not bind (a table it reads is gone, ...), or None."""
+    try:
+        con.execute(f'DESCRIBE SELECT * FROM "{name}"').fetchall()
+    except duckdb.Error as err:
+        return f"its view no longer binds: {str(err).splitlines()[0]}"
+    return None
+
+
+def _columns_problem(con: duckdb.DuckDBPyConnection, info: TensorInfo, kind: str) -> str | None:
+    """What is wrong with the columns of ``info``'s table or view, or None: they must be the
+    integer keys ``k0..`` and the BLOB ``tile``, in that order."""
+    columns = con.execute(
+        "SELECT column_name, data_type FROM duckdb_columns() WHERE lower(table_name) = lower(?) "
+        "AND database_name = current_database() AND schema_name = current_schema() ORDER BY column_index",
+        [info.name]).fetchall()
+    expected = [f"k{d}" for d in range(len(info.shape))] + ["tile"]
+    if [c.lower() for c, _ in columns] != expected:
+        return f"its {kind.lower()} has columns {[c for c, _ in columns]}, not {expected}"
+    for column, sql_type in columns[:-1]:
+        if sql_type not in KEY_TYPES:
+            return f"its key column {column} has type {sql_type}, not an integer type"
+    if columns[-1][1] != "BLOB":
+        return f"its tile column has type {columns[-1][1]}, not BLOB"
+    return None
+
+
+def structure_finding(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> tuple[Finding | None, str | None]:
+    """(the first problem with the table of ``info``'s catalog row: gone, a view that does not
+    bind, other columns; or None) and the object's kind (``TABLE``, ``VIEW`` or None)."""
+    kind = object_kind(con, info.name)
+    if kind is None:
+        return Finding(info.name, "no table", "its table is gone (dropped or renamed outside tra_sql)"), None
+    problem = _view_problem(con, info.name) if kind == "VIEW" else None
+    if problem:
+        return Finding(info.name, "view", problem), kind
+    problem = _columns_problem(con, info, kind)
+    return (Finding(info.name, "columns", problem) if problem else None), kind
+
+
+def _key_list(rank: int) -> str:
+    return f"[{', '.join(f'k{d}' for d in range(rank))}]" if rank else "CAST([] AS BIGINT[])"
+
+
+def _row_problems_sql(info: TensorInfo, tiles: bool) -> str:
+    """A query of (problem, rows, first key, its tile's bytes) over the rows of ``info``'s
+    table whose keys (and, with ``tiles``, whose tiles) disagree with the catalog."""
+    rank, keys = len(info.shape), [f"k{d}" for d in range(len(info.shape))]
+    cases = []
+    if rank:
+        cases.append(f"WHEN {' OR '.join(f'{k} IS NULL' for k in keys)} THEN 'null key'")
+        inside = " AND ".join(f"{k} BETWEEN 0 AND {g - 1}" for k, g in zip(keys, info.grid))
+        cases.append(f"WHEN NOT ({inside}) THEN 'key outside grid'")
+    cases.append("WHEN tile IS NULL THEN 'null tile'")
+    if tiles and info.layout == "dense":
+        extents = [f"least({t}, {n} - {k}::BIGINT * {t})" for k, n, t in zip(keys, info.shape, info.tile)]
+        cases.append(f"WHEN octet_length(tile) <> {' * '.join([*extents, str(info.dtype.itemsize)])} THEN 'tile size'")
+    size = "octet_length(tile)" if tiles else "NULL"
+    return (f"SELECT problem, count(*), min(struct_pack(key := key, size := size)) FROM ("
+            f"SELECT CASE {' '.join(cases)} END AS problem, {_key_list(rank)} AS key, {size} AS size "
+            f'FROM "{info.name}") WHERE problem IS NOT NULL GROUP BY problem ORDER BY problem')
+
+
+def _detail(info: TensorInfo, problem: str, count: int, key: tuple, size: int | None) -> str:
+    others = f" (and {count - 1} more)" if count > 1 else ""
+    if problem == "null key":
+        return f"{count} tile(s) have a NULL key, such as {key}"
+    if problem == "key outside grid":
+        return f"tile {key} is outside the grid {info.grid}{others}"
+    if problem == "null tile":
+        return f"tile {key} is NULL{others}"
+    shape = info.tile_shape(key)
+    return (f"tile {key} holds {size} bytes; shape {shape} and dtype {info.dtype} need "
+            f"{prod(shape) * info.dtype.itemsize}{others}")
+
+
+def _duplicates(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> list[Finding]:
+    """A finding for keys (not NULL) held by more than one row."""
+    keys = [f"k{d}" for d in range(len(info.shape))]
+    where = f"WHERE {' AND '.join(f'{k} IS NOT NULL' for k in keys)} GROUP BY {', '.join(keys)}" if keys else ""
+    count, first = con.execute(f'SELECT count(*), min(struct_pack(key := key, n := n)) FROM (SELECT '
+                               f'{_key_list(len(keys))} AS key, count(*) AS n FROM "{info.name}" {where} '
+                               f'HAVING count(*) > 1)').fetchall()[0]
+    if not count:
+        return []
+    others = f" (and {count - 1} more keys)" if count > 1 else ""
+    return [Finding(info.name, "duplicate key", f"tile {tuple(first['key'])} is stored {first['n']} times{others}")]
+
+
+def _csr_findings(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> list[Finding]:
+    """A finding for the first tile of the CSR table ``info`` that does not decode."""
+    inside = " AND ".join(f"k{d} BETWEEN 0 AND {g - 1}" for d, g in enumerate(info.grid))
+    reader = con.sql(f'SELECT k0, k1, tile FROM "{info.name}" WHERE tile IS NOT NULL AND {inside}').to_arrow_reader()
+    for batch in reader:
+        keys = np.stack([batch.column(0).to_numpy(), batch.column(1).to_numpy()], axis=1).astype(np.int64)
+        data, offsets, _ = binary_views(batch.column(2))
+        for i, key in enumerate(keys):
+            try:
+                sparse.check(info.name, key, data[offsets[i] : offsets[i + 1]], info.tile_shape(key), info.dtype)
+            except CorruptTileError as err:
+                return [Finding(info.name, "csr tile", str(err).replace(f" of tensor '{info.name}'", ""))]
+    return []
+
+
+def tile_findings(con: duckdb.DuckDBPyConnection, info: TensorInfo, tiles: bool = True) -> list[Finding]:
+    """The problems with the rows of ``info``'s table: NULL keys, keys outside the grid,
+    duplicate keys, NULL tiles and, with ``tiles`` (which reads every tile), tiles whose size
+    disagrees with the catalog (CSR tiles that do not decode)."""
+    found = [Finding(info.name, problem, _detail(info, problem, count, tuple(first["key"]), first["size"]))
+             for problem, count, first in con.execute(_row_problems_sql(info, tiles)).fetchall()]
+    found += _duplicates(con, info)
+    if tiles and info.layout == "csr" and not found:
+        found += _csr_findings(con, info)
+    return found
+
+
+def _rows_suspect(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> bool:
+    """Whether the rows of ``info``'s table may have NULL, repeated or out-of-grid keys or NULL
+    tiles (one scan of the key columns; tiles are not read)."""
+    keys = [f"k{d}" for d in range(len(info.shape))]
+    stats = "".join(f", count({k}), min({k}), max({k})" for k in keys)
+    distinct = f"count(DISTINCT ({', '.join(keys)}))" if keys else "least(count(*), 1)"
+    rows, distinct, tiles, *per_key = con.execute(
+        f'SELECT count(*), {distinct}, count(tile){stats} FROM "{info.name}"').fetchall()[0]
+    if not rows:
+        return False
+    bounds = [per_key[3 * d : 3 * d + 3] for d in range(len(keys))]
+    return distinct < rows or tiles < rows or any(n < rows or low < 0 or high >= g
+                                                  for (n, low, high), g in zip(bounds, info.grid))
+
+
+def verify(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> None:
+    """Raise ``CatalogDriftError`` if ``info``'s table is gone or its columns changed, and
+    ``CorruptTileError`` if a key is NULL, repeated or outside the grid or a tile is NULL.
+    Tile sizes are checked where tiles are read (kernels, ``assemble``); ``check`` reads all."""
+    finding, kind = structure_finding(con, info)
+    if finding:
+        hint = "; db.check(repair=True) removes its catalog row" if finding.problem == "no table" else ""
+        raise CatalogDriftError(finding.message + hint)
+    if kind == "TABLE" and _rows_suspect(con, info):
+        raise CorruptTileError(tile_findings(con, info, tiles=False)[0].message)
+
+
+def _orphans(con: duckdb.DuckDBPyConnection, known: set[str]) -> list[Finding]:
+    """Tables (and views) shaped like tensor relations (keys ``k0..``, then ``tile``) without a
+    catalog row."""
+    tables = con.execute(
+        "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() "
+        "WHERE database_name = current_database() AND schema_name = current_schema() GROUP BY table_name "
+        "ORDER BY table_name").fetchall()
+    return [Finding(table, "no catalog row", f"'{table}' looks like a tensor relation but has no row in "
+                                             f"{CATALOG_TABLE} (left as it is)")
+            for table, columns in tables
+            if table.lower() not in known and table.lower() != CATALOG_TABLE
+            and [c.lower() for c in columns] == [f"k{d}" for d in range(len(columns) - 1)] + ["tile"]]
+
+
+def tensor_findings(con: duckdb.DuckDBPyConnection, row: tuple) -> list[Finding]:
+    """The problems of one catalog row (name, dtype, shape, tile_shape, layout) and its table."""
+    name, dtype, shape, tile, layout = row
+    problem = row_problem(dtype, shape, tile, layout)
+    if problem:
+        return [Finding(name, "bad catalog row", problem)]
+    info = TensorInfo(name, np.dtype(dtype), tuple(shape), tuple(tile), layout)
+    finding, kind = structure_finding(con, info)
+    if finding:
+        return [finding]
+    return tile_findings(con, info) if kind == "TABLE" else []
+
+
+def check(con: duckdb.DuckDBPyConnection, repair: bool = False) -> list[Finding]:
+    """Every disagreement between the catalog and the tables (reads every tile of every
+    table; views are checked for their columns only). ``repair`` deletes the catalog rows whose
+    table is gone, in one transaction (or recreates a dropped catalog table); tables without a
+    row are reported, never dropped."""
+    try:
+        rows = con.execute(f"SELECT name, dtype, shape, tile_shape, layout FROM {CATALOG_TABLE} "
+                           f"ORDER BY name").fetchall()
+    except duckdb.CatalogException as err:  # dropped: every tensor table is now without a row
+        if repair:
+            ensure_catalog(con)
+        return [Finding(CATALOG_TABLE, "no catalog table", _unreadable_catalog(err), repair), *_orphans(con, set())]
+    findings = [f for row in rows for f in tensor_findings(con, row)]
+    findings += _orphans(con, {row[0].lower() for row in rows})
+    gone = [f.tensor for f in findings if f.problem == "no table"]
+    if repair and gone:
+        con.execute("BEGIN TRANSACTION").fetchall()
+        try:
+            for name in gone:
+                con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [name]).fetchall()
+            con.execute("COMMIT").fetchall()
+        except BaseException:
+            con.execute("ROLLBACK").fetchall()
+            raise
+        findings = [Finding(f.tensor, f.problem, f.detail, True) if f.problem == "no table" else f
+                    for f in findings]
+    return findings
+
+
+def findings_query(findings: list[Finding]) -> exp.Select:
+    """The rows (tensor, problem, detail, repaired) of ``findings`` as a query."""
+    columns = ("tensor", "problem", "detail", "repaired")
+    if not findings:
+        return exp.select(*[exp.alias_(exp.cast(exp.null(), "BOOLEAN" if c == "repaired" else "VARCHAR"), c)
+                            for c in columns]).where(exp.false())
+    rows = [exp.tuple_(exp.Literal.string(f.tensor), exp.Literal.string(f.problem), exp.Literal.string(f.detail),
+                       exp.Boolean(this=f.repaired)) for f in findings]
+    return exp.select(*columns).from_(exp.values(rows, alias="findings", columns=list(columns)))
 
 
 def tile_table(array: np.ndarray, tile: tuple[int, ...]) -> pa.Table:
@@ -174,6 +445,8 @@ def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     if tiles.num_rows == 0:
         return out
     rank = len(info.shape)
+    if any(tiles.column(f"k{d}").null_count for d in range(rank)):
+        raise CorruptTileError(f"tensor '{info.name}' has a tile with a NULL key")
     keys = np.stack([tiles.column(f"k{d}").to_numpy() for d in range(rank)], axis=1).astype(np.int64) if rank \
         else np.zeros((tiles.num_rows, 0), dtype=np.int64)
     outside = ((keys < 0) | (keys >= np.array(info.grid, dtype=np.int64))).any(axis=1)
@@ -239,7 +512,8 @@ def create_tensor_table(
 
 
 def drop_tensor(con: duckdb.DuckDBPyConnection, name: str) -> None:
-    name = lookup(con, name).name
+    """Drop tensor ``name``'s table or view (if it is still there) and its catalog row."""
+    name = _row(con, name)[0]
     con.execute("BEGIN TRANSACTION").fetchall()
     try:
         kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = ? "

@@ -32,6 +32,11 @@ class CorruptTileError(TraError):
     """A stored tile whose bytes disagree with the catalog's shape and dtype."""
 
 
+class CatalogDriftError(TraError):
+    """A catalog row and its table disagree: the table is gone or its columns were altered
+    outside tra_sql, or the row itself is invalid (``Session.check`` lists and repairs)."""
+
+
 class ExecutionError(TraError):
     """The engine rejected or failed a generated or user statement."""
 

@@ -10,6 +10,7 @@ Statements are DuckDB SQL plus the following (options are named arguments, writt
     SELECT ... FROM tra_from_elements(<table> | (<query>), shape => [4, 3]
                                       [, tile => [2, 2]] [, dtype => 'float64'])
     SELECT ... FROM tra_elements(<tensor>)               -- one row per element: i0, ..., value
+    SELECT ... FROM tra_check([repair => true])          -- catalog drift and corrupt tiles
     CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT * FROM <tensor> [WHERE <keys>]
     DROP TENSOR [IF EXISTS] name
     EXPLAIN <statement>        -- the rewritten SQL (EXPLAIN ANALYZE: DuckDB's, on the rewrite)
@@ -71,13 +72,14 @@ if TYPE_CHECKING:
 
 DIALECT = Dialect.get_or_raise("duckdb")
 TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements")
-FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements",)
+FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check")
 OPTIONS = {
     "einsum": ("join", "agg"),
     "grad": (),
     "tra_random": ("shape", "tile", "seed", "dtype", "dist"),
     "tra_from_elements": ("shape", "tile", "dtype"),
     "tra_elements": (),
+    "tra_check": ("repair",),
 }
 SQL_TYPES = {"float64": "DOUBLE", "float32": "FLOAT", "int32": "INTEGER", "int64": "BIGINT"}
 USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(...), "
@@ -290,8 +292,9 @@ def _position(d: int, extents: list[exp.Column]) -> exp.Expression:
 class Rewriter:
     """Rewrites one statement's tensor syntax into plain DuckDB SQL (sqlglot expressions)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, run: bool = False):
         self.session = session
+        self.run = run  # the statement runs now (else it is only shown): tra_check may repair
         self.literals: dict[str, exp.Select] = {}
         self.counter = itertools.count(1)
         self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
@@ -478,6 +481,15 @@ class Rewriter:
         value = exp.alias_(exp.cast(exp.column("value"), SQL_TYPES[dtype.name]), "value")
         return exp.select(*indices, value).from_(_alias(flat, "_u"))
 
+    def check(self, call: exp.Anonymous) -> exp.Select:
+        """``tra_check([repair => true])``: ``Session.check``'s findings as rows (tensor,
+        problem, detail, repaired); it repairs only when the statement runs (not in EXPLAIN)."""
+        args, options = _arguments(call)
+        repair = options.get("repair", exp.false())
+        if args or not isinstance(repair, exp.Boolean):
+            raise SQLError("write tra_check() or tra_check(repair => true)")
+        return catalog.findings_query(self.session.check(repair=repair.this and self.run))
+
     def rewrite(self, tree: exp.Expression) -> exp.Expression:
         """``tree`` with every tensor function in FROM replaced by its relational SQL."""
         def visit(node: exp.Expression) -> exp.Expression:
@@ -485,7 +497,8 @@ class Rewriter:
                     and _name(node.this) in FUNCTIONS:
                 call = node.this
                 with self.blame(call):
-                    select = self.elements(call) if _name(call) == "tra_elements" else self.query(self.tensor(call))
+                    select = self.elements(call) if _name(call) == "tra_elements" else \
+                        self.check(call) if _name(call) == "tra_check" else self.query(self.tensor(call))
                 alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(_name(call)))
                 return exp.Subquery(this=select, alias=alias.copy())
             return node
@@ -618,7 +631,7 @@ def rewrite_statement(session: Session, statement: Statement, run: bool = False)
         return rewrite_statement(session, explained(statement))
     if kind == "plain":
         return statement.text
-    rewriter = Rewriter(session)
+    rewriter = Rewriter(session, run)
     return rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect="duckdb", pretty=not run)
 
 
