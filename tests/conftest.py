@@ -1,7 +1,36 @@
+import os
+import sys
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import tra_sql
+
+# Hypothesis profiles, chosen by HYPOTHESIS_PROFILE: ``ci`` (the default; tests scale their example
+# counts from its max_examples of 100, see test_differential.examples) and ``long`` (fuzzing for an
+# hour: ``HYPOTHESIS_PROFILE=long python -m pytest -m fuzz``; fuzz tests then have no timeout).
+settings.register_profile("ci", max_examples=100, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=20_000, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(items):
+    if PROFILE == "long":
+        for item in items:
+            if item.get_closest_marker("fuzz"):
+                item.add_marker(pytest.mark.timeout(0))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many random programs the differential tests ran, and paths they compared."""
+    diffgen = sys.modules.get("diffgen")
+    if diffgen is not None and diffgen.COUNTS:
+        counts = ", ".join(f"{n} {what}" for what, n in sorted(diffgen.COUNTS.items()))
+        terminalreporter.write_line(f"differential ({PROFILE} profile): {counts}")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ Everything is built as sqlglot expressions; ``Program.sql()`` renders a dialect.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 from collections import Counter
@@ -36,6 +37,28 @@ KEY_TYPE = "BIGINT[]"
 PLAIN_CTE_DIALECTS = {"spark", "spark2", "databricks", "hive"}  # no ``AS MATERIALIZED``
 CHAIN_CALL_BYTES = 1 << 30  # the most input bytes a chain's kernel call may receive (else: steps)
 BATCH_ROWS = 2048  # the most rows a UDF call receives
+#: The fusions ``Program.compile`` may make: ``attention``, ``prologue``, ``epilogue``, ``chain``;
+#: and the two ways of a split aggregation, ``partials`` and ``agg_inputs`` (see ``partials_first``).
+FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs"})
+enabled = FUSIONS
+
+
+@contextlib.contextmanager
+def fusions(off=()):
+    """Compile with the fusions named in ``off`` switched off (a testing and debugging aid;
+    not thread-safe): ``with sqlgen.fusions(off={"epilogue"}): C.numpy()`` runs C with every
+    element-wise step as a step of its own. Off ``partials``, a split aggregation always
+    aggregates its input tiles (but for CSR results); off ``agg_inputs``, it always aggregates
+    the partial results; not both."""
+    global enabled
+    off = frozenset(off)
+    if off - FUSIONS or {"partials", "agg_inputs"} <= off:
+        raise ValueError(f"fusions(off={sorted(off)}): name some of {sorted(FUSIONS)}, not both ways of aggregating")
+    before, enabled = enabled, FUSIONS - off
+    try:
+        yield
+    finally:
+        enabled = before
 
 
 def key(d: int) -> str:
@@ -201,11 +224,15 @@ def partials_first(node: Einsum) -> bool:
     """Whether a split aggregation should compute one partial result per joined row and
     aggregate those (``tra_reduce``), rather than aggregate the joined input tiles and compute
     per group (``tra_einsum_agg``): DuckDB's ``list()`` copies every byte it collects, so the
-    side with fewer bytes per joined row goes through it."""
+    side with fewer bytes per joined row goes through it (unless ``fusions`` switched one off)."""
+    if node.layout != "dense" or "agg_inputs" not in enabled:
+        return True
+    if "partials" not in enabled:
+        return False
     size = node.tiles
     out = prod(size[c] for c in node.spec.output) * node.dtype.itemsize
     inputs = sum(prod(size[c] for c in sub) * op.dtype.itemsize for sub, op in zip(node.spec.inputs, node.operands))
-    return out <= inputs or node.layout != "dense"
+    return out <= inputs
 
 
 def fusable(node: Node, consumers: Counter) -> int | None:
@@ -583,21 +610,23 @@ class Program:
         ``attention_parts``), an element-wise einsum computes the row statistics only it reads
         (see ``prologue_parts``), element-wise einsums over a contraction are fused into it
         (see ``fusable``), and the steps left that each read the previous one's result are
-        chained (see ``_chains``)."""
+        chained (see ``_chains``); each only where ``fusions`` has not switched it off."""
         program = cls(root)
         order = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
         consumers = Counter(id(child) for node in order for child in node.inputs)
         consumers.update(id(top) for top in (root, *others))  # a result stays a step of its own
-        attention = {id(node): att for node in order if (att := attention_parts(node, consumers))}
+        attention = {id(node): att for node in order
+                     if "attention" in enabled and (att := attention_parts(node, consumers))}
         absorbed = {id(part) for att in attention.values() for part in att.absorbed}
-        prologues = {id(node): parts for node in order
-                     if id(node) not in absorbed and (parts := prologue_parts(node, consumers))}
+        prologues = {id(node): parts for node in order if "prologue" in enabled
+                     and id(node) not in absorbed and (parts := prologue_parts(node, consumers))}
         absorbed |= {id(node.inputs[p]) for node in order for p in prologues.get(id(node), ())}
-        fused = {id(node): p for node in order if (p := fusable(node, consumers)) is not None
+        fused = {id(node): p for node in order if "epilogue" in enabled and (p := fusable(node, consumers)) is not None
                  and id(node) not in prologues and id(node.inputs[p]) not in attention
                  and id(node.inputs[p]) not in absorbed}
         absorbed |= {id(node.inputs[p]) for node in order if (p := fused.get(id(node))) is not None}
-        chains = _chains(order, consumers, fused, absorbed | set(attention) | set(prologues))
+        chains = _chains(order, consumers, fused, absorbed | set(attention) | set(prologues)) \
+            if "chain" in enabled else {}
         absorbed |= {id(step) for chain in chains.values() for step in chain.steps[:-1]}
         for node in order:
             if id(node) not in absorbed:

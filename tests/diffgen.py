@@ -1,0 +1,439 @@
+"""Random tensor programs over the public API, for the differential tests.
+
+A ``Program`` is a list of ``Step``s. A step is Python source (statements over ``db``, ``np``,
+``nn``) and a PyTorch reference of the tensor it assigns, computed from the dense arrays (an
+absent tile is a tile of zeros). ``Program.source()`` is the runnable program; the harness
+builds the program by executing exactly that text, so a failure's printed snippet is what ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import product
+
+import numpy as np
+import torch
+from hypothesis import assume
+from hypothesis import strategies as st
+
+LETTERS = "abcdefgh"
+FLOATS = ("float64", "float32")
+INTS = ("int32", "int64")
+AGGS = ("sum", "max", "min", "prod")
+#: Paths compared and programs tried in this process (see conftest's summary).
+COUNTS: Counter = Counter()
+HEADER = """import numpy as np
+import tra_sql
+from tra_sql import nn
+from tra_sql.catalog import TensorInfo, assemble
+
+def dense(t, tiles):  # a tile relation (arrow()) of tensor or node t as an ndarray, each tile key once
+    node = getattr(t, "node", t)
+    keys = set(zip(*(tiles.column(f"k{d}").to_pylist() for d in range(len(node.shape)))))
+    assert tiles.num_rows == len(keys) if node.shape else tiles.num_rows <= 1, f"a tile key twice in {tiles}"
+    return assemble(TensorInfo("t", node.dtype, node.shape, node.tile, node.layout), tiles)
+
+db = tra_sql.connect()
+"""
+
+
+@dataclass
+class Var:
+    """A tensor the program has built: its Python name, shape, dtype and layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str = "dense"
+    stored: bool = False  # a stored tensor (gradients may be taken with respect to it)
+    complete: bool = True  # every tile present
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype in FLOATS
+
+
+@dataclass
+class Step:
+    """Source lines that assign ``var``, and ``ref(env)``: its reference value (float64 torch)
+    from the references of earlier steps, by name."""
+
+    var: Var
+    code: str
+    ref: Callable[[dict], torch.Tensor]
+
+
+@dataclass
+class Program:
+    steps: list[Step] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # leaves that gradients are taken of
+
+    def source(self) -> str:
+        return "\n".join(step.code for step in self.steps)
+
+    def snippet(self, path: str = "") -> str:
+        """A runnable script: the program, then ``path`` (statements assigning ``got``)."""
+        return HEADER + self.source() + ("\n" + path if path else "") + "\n"
+
+    def __repr__(self) -> str:
+        return f"Program(outputs={self.outputs}):\n{self.source()}"
+
+    def build(self, db, namespace: dict | None = None) -> dict:
+        """Execute the program's source against session ``db``; the namespace it leaves."""
+        env = {"db": db, "np": np, "torch": torch, **(namespace or {})}
+        exec(compile(HEADER.split("db = ")[0] + self.source(), "<program>", "exec"), env)  # noqa: S102
+        return env
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        self.params.clear()
+        env: dict = {"__params__": self.params}
+        for step in self.steps:
+            env[step.var.name] = step.ref(env)
+        return env
+
+    def var(self, name: str) -> Var:
+        return next(s.var for s in self.steps if s.var.name == name)
+
+    @property
+    def dtypes(self) -> set[str]:
+        return {s.var.dtype for s in self.steps}
+
+
+# -- join expressions: a small grammar, rendered as SQL and evaluated in torch ----------------
+
+def where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A join expression tree: ``op`` is ``x`` (operand ``arg``), ``c`` (constant ``arg``), or
+    an operator over ``kids``."""
+
+    op: str
+    kids: tuple[Expr, ...] = ()
+    arg: float | int = 0
+
+    def sql(self) -> str:
+        k = [kid.sql() for kid in self.kids]
+        return {
+            "x": lambda: f"x{self.arg}",
+            "c": lambda: repr(self.arg),
+            "+": lambda: f"({k[0]} + {k[1]})",
+            "-": lambda: f"({k[0]} - {k[1]})",
+            "*": lambda: f"({k[0]} * {k[1]})",
+            "/": lambda: f"({k[0]} / (1 + abs({k[1]})))",
+            "half": lambda: f"({k[0]} / 2)",
+            "greatest": lambda: f"greatest({k[0]}, {k[1]})",
+            "least": lambda: f"least({k[0]}, {k[1]})",
+            "exp": lambda: f"exp(least({k[0]}, 2))",
+            "abs": lambda: f"abs({k[0]})",
+            "case": lambda: f"CASE WHEN {k[0]} > {k[1]} THEN {k[2]} ELSE {k[3]} END",
+        }[self.op]()
+
+    def eval(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """The value over broadcast operands ``xs`` (ties of greatest/least go to the later
+        argument, as tra_sql's derivative rules say)."""
+        k = [kid.eval(xs) for kid in self.kids]
+        if self.op == "x":
+            return xs[self.arg]
+        if self.op == "c":
+            return torch.tensor(float(self.arg), dtype=torch.float64)
+        return {
+            "+": lambda: k[0] + k[1], "-": lambda: k[0] - k[1], "*": lambda: k[0] * k[1],
+            "/": lambda: k[0] / (1 + torch.abs(k[1])), "half": lambda: k[0] / 2,
+            "greatest": lambda: where(k[0] > k[1], k[0], k[1]), "least": lambda: where(k[0] < k[1], k[0], k[1]),
+            "exp": lambda: torch.exp(where(k[0] < 2, k[0], torch.tensor(2.0, dtype=torch.float64))),
+            "abs": lambda: torch.abs(k[0]),
+            "case": lambda: where(k[0] > k[1], k[2], k[3]),
+        }[self.op]()
+
+    def uses(self) -> set[int]:
+        return ({self.arg} if self.op == "x" else set()).union(*(kid.uses() for kid in self.kids))
+
+
+ARITY = {"+": 2, "-": 2, "*": 2, "/": 2, "half": 1, "greatest": 2, "least": 2, "exp": 1, "abs": 1, "case": 4}
+
+
+@st.composite
+def exprs(draw, n: int, depth: int = 2) -> Expr:
+    """A join expression over ``x0..x{n-1}``."""
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        if draw(st.integers(0, 4)) == 0:
+            return Expr("c", arg=draw(st.sampled_from([0.5, -1.5, 2, 0.25])))
+        return Expr("x", arg=draw(st.integers(0, n - 1)))
+    op = draw(st.sampled_from(sorted(ARITY)))
+    return Expr(op, tuple(draw(exprs(n, depth - 1)) for _ in range(ARITY[op])))
+
+
+# -- the reference of an extended einsum --------------------------------------------------------
+
+def einsum_ref(inputs: list[str], output: str, xs: list[torch.Tensor], join: Expr | None,
+               agg: str) -> torch.Tensor:
+    """``out[o] = agg over the other indices of join(x0[...], ...)``, evaluated over the full index
+    grid (a size-1 dimension broadcasts, a repeated index takes the diagonal)."""
+    sizes: dict[str, int] = {}
+    for sub, x in zip(inputs, xs):
+        for c, n in zip(sub, x.shape):
+            sizes[c] = max(sizes.get(c, 1), n)
+    letters = list(output) + sorted(set("".join(inputs)) - set(output))
+    grid = torch.meshgrid(*[torch.arange(sizes[c]) for c in letters], indexing="ij") if letters else []
+    at = dict(zip(letters, grid))
+    vals = []
+    for sub, x in zip(inputs, xs):
+        index = tuple(at[c] if n > 1 else torch.zeros_like(at[c]) for c, n in zip(sub, x.shape))
+        vals.append(x[index] if index else x.expand([sizes[c] for c in letters]))
+    value = join.eval(vals) if join is not None else math.prod(vals[1:], start=vals[0])
+    value = value.expand([sizes[c] for c in letters]) if letters else value
+    out_shape = [sizes[c] for c in output]
+    flat = value.reshape(out_shape + [-1])
+    return {"sum": lambda: flat.sum(-1), "max": lambda: flat.amax(-1), "min": lambda: flat.amin(-1),
+            "prod": lambda: flat.prod(-1)}[agg]()
+
+
+def result_dtype(dtypes: list[str], join: Expr | None) -> str:
+    dtype = np.result_type(*dtypes)
+    return "float64" if join is not None and dtype.kind != "f" else dtype.name
+
+
+# -- drawing programs ----------------------------------------------------------------------------
+
+class Builder:
+    """Draws the steps of one program, keeping the tensors built so far (``pool``)."""
+
+    def __init__(self, draw, dtypes=FLOATS + INTS, absent: bool = True):
+        self.draw, self.dtypes, self.absent = draw, dtypes, absent
+        self.program = Program()
+        self.pool: list[Var] = []
+        self.seed = draw(st.integers(0, 2**16))
+
+    def fresh(self, prefix: str) -> str:
+        return f"{prefix}{len(self.program.steps)}"
+
+    def add(self, var: Var, code: str, ref) -> Var:
+        self.program.steps.append(Step(var, code, ref))
+        self.pool.append(var)
+        return var
+
+    def shape(self, rank: int | None = None, sizes=(1, 5)) -> tuple[int, ...]:
+        rank = self.draw(st.sampled_from([1, 2, 2, 3, 3, 0])) if rank is None else rank
+        return tuple(self.draw(st.integers(*sizes)) for _ in range(rank))
+
+    def tile(self, shape) -> tuple[int, ...]:
+        return tuple(self.draw(st.integers(1, n)) for n in shape)
+
+    # leaves
+    def leaf(self, shape=None, dtype=None, absent=None, positive=False) -> Var:
+        """A stored tensor of random values (both signs), ragged tiles, maybe some tiles deleted."""
+        draw = self.draw
+        shape = self.shape() if shape is None else shape
+        dtype = draw(st.sampled_from(self.dtypes)) if dtype is None else dtype
+        tile = self.tile(shape)
+        seed = self.seed + len(self.program.steps)
+        if dtype in INTS:
+            data = f"np.random.default_rng({seed}).integers(-3, 4, {shape!r}).astype({dtype!r})"
+        elif positive:
+            data = f"np.random.default_rng({seed}).uniform(0.5, 1.5, {shape!r}).astype({dtype!r})"
+        else:
+            data = f"np.random.default_rng({seed}).uniform(-2, 2, {shape!r}).astype({dtype!r})"
+        name = self.fresh("A")
+        code = f'{name} = db.from_numpy("{name}", np.asarray({data}), tile={tile!r})'
+        grid = [range(math.ceil(n / t)) for n, t in zip(shape, tile)]
+        keys = list(product(*grid))
+        gone = []
+        if (self.absent if absent is None else absent) and draw(st.integers(0, 2)) == 0:
+            gone = sorted(draw(st.sets(st.sampled_from(keys), min_size=1, max_size=len(keys))))
+            conds = " OR ".join(" AND ".join(f"k{d} = {k}" for d, k in enumerate(key)) or "true" for key in gone)
+            code += f"\ndb.con.execute('DELETE FROM \"{name}\" WHERE {conds}')"
+        mask = np.ones(shape)
+        for key in gone:
+            mask[tuple(slice(k * t, (k + 1) * t) for k, t in zip(key, tile))] = 0
+
+        def ref(env, data=data, mask=mask, name=name, dtype=dtype):
+            value = torch.tensor(np.asarray(eval(data, {"np": np}), dtype=np.float64))  # noqa: S307
+            if dtype in FLOATS:
+                value.requires_grad_(True)
+                env["__params__"][name] = value
+            return value * torch.tensor(mask)
+
+        return self.add(Var(name, shape, dtype, stored=True, complete=not gone), code, ref)
+
+    def fill(self, shape=None, dtype=None) -> Var:
+        shape = self.shape() if shape is None else shape
+        dtype = self.draw(st.sampled_from(self.dtypes)) if dtype is None else dtype
+        value = self.draw(st.sampled_from([0, 1, -2] if dtype in INTS else [0.0, 1.0, -1.5, 0.25]))
+        tile = self.tile(shape)
+        name = self.fresh("F")
+        call = {0: "zeros", 1: "ones"}.get(value) if self.draw(st.booleans()) else None
+        args = f"{shape!r}, dtype={dtype!r}, tile={tile!r}"
+        code = f"{name} = db.{call}({args})" if call else f"{name} = db.full({shape!r}, {value!r}, dtype={dtype!r}, " \
+                                                         f"tile={tile!r})"
+        return self.add(Var(name, shape, dtype), code,
+                        lambda env: torch.full(shape, float(value), dtype=torch.float64))
+
+    def operand(self, shape=None, floating=False) -> Var:
+        """A tensor from the pool (of ``shape`` if given; most often the latest), or a new leaf or fill."""
+        fits = [v for v in self.pool if (shape is None or v.shape == shape) and v.layout == "dense"
+                and (v.floating or not floating)]
+        choice = self.draw(st.integers(0, 5))
+        if fits and choice < 4:
+            return fits[-1] if choice < 2 else self.draw(st.sampled_from(fits))
+        dtypes = [d for d in self.dtypes if d in FLOATS or not floating]
+        if choice == 4:
+            return self.fill(shape, self.draw(st.sampled_from(dtypes)))
+        return self.leaf(shape, self.draw(st.sampled_from(dtypes)))
+
+    # ops
+    def einsum(self, operands: list[Var] | None = None, join: bool | None = None, agg: str | None = None) -> Var:
+        """A random extended einsum: repeated indices, size-1 broadcasting, implicit or explicit
+        output (full reductions included), a random join expression and aggregate."""
+        draw = self.draw
+        operands = operands or [self.operand() for _ in range(draw(st.integers(1, 3)))]
+        sizes: dict[str, int] = {}
+        inputs = []
+        for op in operands:
+            sub = ""
+            for n in op.shape:
+                here = [c for c in dict.fromkeys(sub)  # a repeated index: a diagonal
+                        if n > 1 and all(op.shape[e] == n for e, ch in enumerate(sub) if ch == c)]
+                other = [c for c in sizes if c not in sub and (sizes[c] == n or 1 in (n, sizes[c]))]
+                fresh = [c for c in LETTERS if c not in sizes]
+                options = here + other * 2 + fresh[:1]
+                c = draw(st.sampled_from(options))
+                sizes[c] = max(sizes.get(c, 1), n)
+                sub += c
+            inputs.append(sub)
+        used = sorted(set("".join(inputs)))
+        if draw(st.integers(0, 4)) == 0:
+            output = "".join(sorted(c for c in used if "".join(inputs).count(c) == 1))
+            spec = ",".join(inputs)
+        else:
+            output = "".join(draw(st.permutations(used))[: draw(st.integers(0, len(used)))])
+            spec = ",".join(inputs) + "->" + output
+        expr = draw(exprs(len(operands))) if (draw(st.booleans()) if join is None else join) else None
+        agg = draw(st.sampled_from(AGGS)) if agg is None else agg
+        dtype = result_dtype([op.dtype for op in operands], expr)
+        name = self.fresh("E")
+        args = ", ".join(op.name for op in operands)
+        extra = (f", join={expr.sql()!r}" if expr else "") + (f", agg={agg!r}" if agg != "sum" else "")
+        code = f'{name} = db.einsum("{spec}", {args}{extra})'
+        shape = tuple(sizes[c] for c in output)
+        names = [op.name for op in operands]
+        return self.add(Var(name, shape, dtype), code,
+                        lambda env: einsum_ref(inputs, output, [env[n] for n in names], expr, agg))
+
+    def keyed_sum(self) -> Var:
+        first = self.operand()
+        others = [self.operand(first.shape) for _ in range(self.draw(st.integers(1, 2)))]
+        parts = [first, *others]
+        name = self.fresh("S")
+        dtype = np.result_type(*(p.dtype for p in parts)).name
+        return self.add(Var(name, first.shape, dtype), f"{name} = db.add({', '.join(p.name for p in parts)})",
+                        lambda env: sum(env[p.name] for p in parts))
+
+    def retile(self) -> Var:
+        x = self.operand()
+        tile = self.tile(x.shape)
+        name = self.fresh("R")
+        return self.add(Var(name, x.shape, x.dtype), f"{name} = {x.name}.retile({tile!r})", lambda env: env[x.name])
+
+    def slice(self) -> Var:
+        x = self.operand()
+        assume(x.shape)
+        items, shape = [], []
+        for n in x.shape[: self.draw(st.integers(1, len(x.shape)))]:
+            kind = self.draw(st.integers(0, 2))
+            if kind == 0:
+                items.append(str(self.draw(st.integers(-n, n - 1))))
+                continue
+            a = self.draw(st.integers(0, n - 1))
+            b = self.draw(st.integers(a + 1, n))
+            start = a - n if self.draw(st.booleans()) else a
+            items.append(f"{start}:{b}" if kind == 1 else f"{start}:")
+            shape.append(b - a if kind == 1 else n - a)
+        shape += list(x.shape[len(items):])
+        index = ", ".join(items)
+        name = self.fresh("I")
+        return self.add(Var(name, tuple(shape), x.dtype), f"{name} = {x.name}[{index}]",
+                        lambda env: eval(f"t[{index}]", {"t": env[x.name]}))  # noqa: S307
+
+    def concat(self) -> Var:
+        x = self.operand()
+        assume(x.shape)
+        axis = self.draw(st.integers(0, len(x.shape) - 1))
+        width = self.draw(st.integers(1, 4))
+        other = self.operand(x.shape[:axis] + (width,) + x.shape[axis + 1:])
+        parts = self.draw(st.permutations([x, other]))
+        name = self.fresh("C")
+        shape = x.shape[:axis] + (x.shape[axis] + width,) + x.shape[axis + 1:]
+        dtype = np.result_type(x.dtype, other.dtype).name
+        axis_code = f"{axis}" if self.draw(st.booleans()) else f"{axis - len(x.shape)}"
+        return self.add(Var(name, shape, dtype), f"{name} = db.concat([{parts[0].name}, {parts[1].name}], {axis_code})",
+                        lambda env: torch.cat([env[p.name] for p in parts], axis))
+
+    def transpose(self) -> Var:
+        x = self.operand()
+        perm = tuple(self.draw(st.permutations(range(len(x.shape)))))
+        name = self.fresh("P")
+        reverse = perm == tuple(reversed(range(len(perm)))) and self.draw(st.booleans())
+        code = f"{name} = {x.name}.T" if reverse else f"{name} = {x.name}.transpose{perm!r}"
+        return self.add(Var(name, tuple(x.shape[p] for p in perm), x.dtype), code,
+                        lambda env: env[x.name].permute(perm))
+
+    def reshape(self) -> Var:
+        x = self.operand()
+        factors = [p for n in x.shape for p in _factors(n)]
+        factors = self.draw(st.permutations(factors)) if self.draw(st.booleans()) else factors
+        cuts = sorted(self.draw(st.sets(st.integers(1, max(1, len(factors) - 1)), max_size=2)))
+        dims = [math.prod(factors[a:b]) for a, b in zip([0, *cuts], [*cuts, len(factors)])] if factors else []
+        dims = [d for d in dims if d > 1] or ([1] if self.draw(st.booleans()) else [])
+        if dims and self.draw(st.booleans()):
+            dims.insert(self.draw(st.integers(0, len(dims))), 1)
+        shape = tuple(dims)
+        shown = list(shape)
+        if shown and self.draw(st.booleans()):
+            shown[self.draw(st.integers(0, len(shown) - 1))] = -1
+        name = self.fresh("H")
+        return self.add(Var(name, shape, x.dtype), f"{name} = {x.name}.reshape({', '.join(map(str, shown))})",
+                        lambda env: env[x.name].reshape(shape))
+
+    def op(self) -> Var:
+        kind = self.draw(st.sampled_from(["einsum"] * 4 + ["add", "retile", "slice", "concat", "transpose", "reshape"]))
+        return getattr(self, {"add": "keyed_sum"}.get(kind, kind))()
+
+    def finish(self, out: Var) -> Program:
+        self.program.outputs = [out.name]
+        return self.program
+
+
+def _factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+@st.composite
+def programs(draw, dtypes=FLOATS + INTS, absent: bool = True, ops: tuple[int, int] = (1, 4)) -> Program:
+    """A DAG of einsums, keyed sums and structural ops over a few stored tensors and fills."""
+    b = Builder(draw, dtypes, absent)
+    for _ in range(draw(st.integers(1, 2))):
+        b.leaf()
+    out = None
+    for _ in range(draw(st.integers(*ops))):
+        out = b.op()
+    return b.finish(out)
+
+
+@st.composite
+def einsum_programs(draw, absent: bool = True) -> Program:
+    """One extended einsum over one to three stored tensors (or fills)."""
+    b = Builder(draw, FLOATS + INTS, absent)
+    return b.finish(b.einsum())

@@ -1,0 +1,234 @@
+"""Differential tests: random programs over the public API (``diffgen``) run on every path that
+applies (unplanned, planned for random workers and memory, staged, each fusion switched off,
+``numpy()``/``arrow()``/``store()``, Spark) and compared with a PyTorch reference computed
+from the dense arrays. A failure prints the program as a runnable script (``note``) and the
+path that disagreed; ``HYPOTHESIS_PROFILE=long pytest -m fuzz`` runs the long profile."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from diffgen import COUNTS, FLOATS, Program, Step, Var, einsum_programs, programs
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+import tra_sql
+from tra_sql import nn, sqlgen
+
+SWITCHES = sorted(sqlgen.FUSIONS)
+ROOMY = ["1MB", "64MB", "1GB"]
+TIGHT = ["4KB", "16KB", "64KB"]
+#: The planner's documented refusal of a budget too small for the stored tiles.
+REFUSED = "store it in smaller tiles"
+fuzz = pytest.mark.fuzz
+
+
+def examples(n: int) -> int:
+    """``n`` examples under the ``ci`` profile (max_examples 100), scaled for other profiles."""
+    return max(1, n * settings.default.max_examples // 100)
+
+
+def scaled(n: int):
+    return settings(max_examples=examples(n), suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.filter_too_much])
+
+
+# -- comparing -------------------------------------------------------------------------------------
+
+def tolerance(program: Program, dtype: str) -> float:
+    if np.dtype(dtype).kind in "iu" and not program.dtypes & set(FLOATS):
+        return 0.0
+    return 2e-4 if "float32" in program.dtypes else 1e-9
+
+
+def disagreement(got, want: np.ndarray, dtype: str, tol: float) -> str | None:
+    """Why ``got`` is not ``want`` (shape, dtype, values), or None."""
+    got = np.asarray(got)
+    if got.shape != want.shape or got.dtype != np.dtype(dtype):
+        return f"shape/dtype {got.shape} {got.dtype}, expected {want.shape} {dtype}"
+    scale = max(1.0, float(np.abs(want).max(initial=0)))
+    bad = ~np.isclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale, equal_nan=True)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        return f"{int(bad.sum())} of {bad.size} elements differ; at {at}: got {got[at]!r}, expected {want[at]!r}"
+    return None
+
+
+def references(program: Program) -> dict[str, np.ndarray]:
+    """The reference value of every output, as float64 arrays (programs whose values would
+    overflow their integer dtype or lose float64 exactness are rejected)."""
+    env = program.reference()
+    out = {}
+    for name in program.outputs:
+        value = env[name].detach().numpy()
+        big = 2**31 if program.var(name).dtype == "int32" else 1e12
+        if np.isnan(value).any() or np.abs(value[np.isfinite(value)]).max(initial=0) >= big:
+            assume(False)
+        out[name] = value
+    return out
+
+
+def run_paths(program: Program, db, paths: list[str], namespace: dict | None = None) -> None:
+    """Build ``program`` in ``db``, run each path (statements assigning ``got``, ``{v}`` the
+    output) on every output and compare with the reference; one assertion listing every
+    disagreement, with the program as a runnable script."""
+    wants = references(program)
+    if currently_in_test_context():
+        note(program.snippet())
+    env = program.build(db, namespace)
+    failures = []
+    COUNTS["programs"] += 1
+    for name in program.outputs:
+        var = program.var(name)
+        for path in paths:
+            code = path.replace("{v}", name)
+            try:
+                exec(code, env)  # noqa: S102
+            except Exception as err:  # noqa: BLE001 - every engine error is a finding, but the documented refusal
+                if REFUSED in str(err):
+                    COUNTS["refused"] += 1
+                    continue
+                failures.append((code, f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"))
+                continue
+            COUNTS["paths"] += 1
+            why = disagreement(env["got"], wants[name], var.dtype, tolerance(program, var.dtype))
+            if why:
+                failures.append((code, why))
+    if failures:
+        report = "\n".join(f"--- {code}\n    {why}" for code, why in failures)
+        raise AssertionError(f"{len(failures)} path(s) disagree with the reference:\n{report}\n\n"
+                             f"=== repro ===\n{program.snippet(failures[0][0])}")
+
+
+@st.composite
+def duckdb_paths(draw, program: Program) -> list[str]:
+    """Every path of one output: as written, through arrow() and store(), under a roomy and a
+    tight (staged) plan for random workers, and with each fusion off that changes its SQL."""
+    w = [draw(st.integers(1, 4)) for _ in range(3)]
+    roomy, tight = draw(st.sampled_from(ROOMY)), draw(st.sampled_from(TIGHT))
+    return [
+        "got = {v}.numpy(plan=False)",
+        "got = {v}.numpy()",
+        "got = dense({v}, {v}.arrow())",
+        'got = {v}.store("{v}_stored").numpy(plan=False)',
+        f'got = {{v}}.numpy(plan=db.plan({{v}}, workers={w[0]}, memory="{roomy}"))',
+        f'plan = db.plan({{v}}, workers={w[1]}, memory="{tight}")\ngot = dense(plan.apply(), {{v}}.arrow(plan=plan))',
+        f'got = {{v}}.store("{{v}}_planned", plan=db.plan({{v}}, workers={w[2]}, memory="{tight}")).numpy(plan=False)',
+    ] + [f"with tra_sql.sqlgen.fusions(off={{{name!r}}}):\n    got = {{v}}.numpy(plan=False)" for name in SWITCHES]
+
+
+def prune_fusions(program: Program, db, paths: list[str]) -> list[str]:
+    """``paths`` without the fusion switches that leave every output's SQL as it is."""
+    env = program.build(db)
+    kept = []
+    for path in paths:
+        if "fusions(off=" in path:
+            name = path.split("{'")[1].split("'")[0]
+            sqls = [env[v].sql() for v in program.outputs]
+            with sqlgen.fusions(off={name}):
+                if [env[v].sql() for v in program.outputs] == sqls:
+                    continue
+        kept.append(path)
+    return kept
+
+
+def differential(program: Program, paths: list[str]) -> None:
+    with tra_sql.connect() as probe:
+        paths = prune_fusions(program, probe, paths)
+    with tra_sql.connect() as db:
+        run_paths(program, db, paths)
+
+
+# -- the fuzz tests ---------------------------------------------------------------------------------
+
+@fuzz
+@scaled(40)
+@given(st.data())
+def test_random_extended_einsums(data):
+    """One einsum: random specs (repeated indices, broadcasting, full reductions), joins, aggs,
+    dtypes, ragged tiles, absent tiles, on every DuckDB path."""
+    program = data.draw(einsum_programs())
+    differential(program, data.draw(duckdb_paths(program)))
+
+
+@fuzz
+@scaled(40)
+@given(st.data())
+def test_random_programs(data):
+    """DAGs of einsums, keyed sums, retile/slice/concat/transpose/reshape and fills."""
+    program = data.draw(programs())
+    differential(program, data.draw(duckdb_paths(program)))
+
+
+# -- fusion switches ----------------------------------------------------------------------------------
+
+def _fusion_case(db, name: str):
+    """A program that ``Program.compile`` fuses by fusion ``name``, and the SQL text that shows it."""
+    rng = np.random.default_rng(7)
+
+    def put(label, shape, tile=None):
+        return db.from_numpy(label, rng.uniform(-2, 2, shape), tile=tile)
+
+    if name == "attention":
+        q, k, v = put("Q", (6, 4), (3, 4)), put("K", (5, 4), (5, 4)), put("V", (5, 3), (5, 3))
+        probs = nn.softmax(db, db.einsum("qd,sd->qs", q, k), scale=0.5)
+        return db.einsum("qs,sv->qv", probs, v), "TRA_ATTENTION"
+    if name == "prologue":
+        return nn.layer_norm(db, put("X", (5, 4), (2, 4))), '"prologue"'
+    if name == "epilogue":
+        x, w, b = put("X", (5, 4), (2, 2)), put("W", (4, 3), (2, 3)), put("B", (3,))
+        return db.einsum("bh,h->bh", db.einsum("bi,ih->bh", x, w), b, join="greatest(x0 + x1, 0)"), '"epilogue"'
+    if name == "chain":
+        x = put("X", (6, 4), (3, 4))
+        layers = [(put("W1", (4, 5)), put("B1", (5,))), (put("W2", (5, 2)), put("B2", (2,)))]
+        return nn.mlp(db, x, layers), "TRA_CHAIN"
+    if name == "partials":  # a partial product per joined row is smaller than its two input tiles
+        return db.einsum("ij,jk->ik", put("A", (4, 6), (4, 2)), put("B", (6, 4), (2, 4))), "TRA_REDUCE"
+    return db.einsum("ij,jk->ik", put("A", (8, 6), (8, 1)), put("B", (6, 8), (1, 8))), "TRA_EINSUM_AGG"
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+def test_a_switched_off_fusion_changes_the_sql_not_the_numbers(name):
+    with tra_sql.connect() as db:
+        result, shown = _fusion_case(db, name)
+        assert shown in result.sql()
+        want = result.numpy(plan=False)
+        with sqlgen.fusions(off={name}):
+            assert shown not in result.sql()
+            got = result.numpy(plan=False)
+        assert shown in result.sql()  # switched on again on leaving
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("off", [{"bogus"}, {"partials", "agg_inputs"}])
+def test_fusions_refuses_unknown_names_and_both_ways_of_aggregating(off):
+    with pytest.raises(ValueError, match="fusions"), sqlgen.fusions(off=off):
+        pass
+
+
+# -- the harness itself ---------------------------------------------------------------------------
+
+def a_row_max(offset: float) -> Program:
+    """``max_j greatest(A[i, j], 5)`` with a reference that is off by ``offset``."""
+    a = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
+    program = Program(outputs=["E"])
+    program.steps.append(Step(Var("A", (3, 4), "float64"), 'A = db.from_numpy("A", np.arange(12.0).reshape(3, 4), '
+                                                            "tile=(2, 3))", lambda env: a))
+    program.steps.append(Step(Var("E", (3,), "float64"), 'E = db.einsum("ij->i", A, join="greatest(x0, 5)", agg="max")',
+                              lambda env: a.clamp(min=5).amax(1) + offset))
+    return program
+
+
+def test_the_harness_passes_a_right_result_and_reports_a_wrong_one_with_a_runnable_repro():
+    with tra_sql.connect() as db:
+        run_paths(a_row_max(0.0), db, ["got = {v}.numpy(plan=False)"])
+    with tra_sql.connect() as db, pytest.raises(AssertionError, match="=== repro ===") as caught:
+        run_paths(a_row_max(1e-6), db, ["got = {v}.numpy(plan=False)"])
+    script = str(caught.value).split("=== repro ===\n")[1]
+    namespace: dict = {}
+    exec(script, namespace)  # noqa: S102 - the repro runs on its own
+    np.testing.assert_array_equal(namespace["got"], [5.0, 7.0, 11.0])
