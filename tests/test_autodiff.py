@@ -2,6 +2,7 @@
 finite differences, and random extended einsums (hypothesis)."""
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def _symbolic(sql: str, values) -> list[float]:
 
 @pytest.mark.parametrize("sql,fn", RULES, ids=[r[0] for r in RULES])
 def test_derivative_rule_matches_torch_and_finite_differences(sql, fn):
-    rng = np.random.default_rng(abs(hash(sql)) % 1000)
+    rng = np.random.default_rng(zlib.crc32(sql.encode()))
     for _ in range(6):
         point = rng.uniform(-2, 2, 2)
         ours = _symbolic(sql, point)
@@ -386,7 +387,7 @@ def extended_einsums(draw):
     return sizes, inputs, output, tiles, join, agg, seed
 
 
-@settings(max_examples=16, deadline=None, derandomize=True,
+@settings(max_examples=16, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=extended_einsums())
 def test_random_extended_einsums_against_torch(db, case):

@@ -427,7 +427,7 @@ def attention_cases(draw):
     return sizes, tiles, keep, draw(st.floats(0.1, 2.0))
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(attention_cases())
 def test_fused_attention_property(case):
     sizes, tiles, keep, scale = case
@@ -456,7 +456,7 @@ def normalization_cases(draw):
     return shape, tuple(min(t, n) for t, n in zip(tile, shape)), draw(st.sampled_from(NORMALIZATIONS))
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(normalization_cases())
 def test_normalizations_property(case):
     """Normalizations over random shapes and tilings (statistics in the normalizing step when
