@@ -2,7 +2,9 @@
 executed in the engine against numpy."""
 
 import dataclasses
+import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -265,3 +267,25 @@ def test_calibration_measured_for_real_plans_correctly(db):
     plan = db.plan(C, workers=2, memory="20KB")
     assert plan.consts == consts
     np.testing.assert_allclose(C.numpy(plan=plan), a @ b, rtol=1e-10)
+
+
+def test_plan_explains_itself_in_every_format_it_names(db, monkeypatch):
+    A = db.from_numpy("A", np.ones((8, 8)), tile=(4, 4))
+    plan = db.plan(db.einsum("ij,jk->ik", A, A), workers=2, memory="1GB")
+    assert plan.explain().startswith("Plan for") and plan.explain("dot").startswith("digraph")
+    described = json.loads(plan.explain("json"))
+    assert described["workers"] == 2 and described["ops"][0]["parts"]
+    with pytest.raises(tra_sql.SpecError, match="'png'"):
+        plan.explain("png")
+    if shutil.which("dot"):
+        assert "<svg" in plan.explain("svg")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(tra_sql.TraError, match="install Graphviz"):
+        plan.explain("svg")
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_plan_for_no_workers_is_an_error(db, workers):
+    A = db.from_numpy("A", np.ones((8, 8)), tile=(4, 4))
+    with pytest.raises(tra_sql.SpecError, match="workers"):
+        db.plan(db.einsum("ij,jk->ik", A, A), workers=workers)

@@ -27,7 +27,7 @@ from tra_sql.decompose.plan import Plan, make_plan
 from tra_sql.decompose.problem import extract, is_retile
 from tra_sql.duckdb_errors import translate
 from tra_sql.einsum import EinsumSpec
-from tra_sql.errors import TraError
+from tra_sql.errors import SpecError, TraError
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
 from tra_sql.sqlgen import Program, key
 
@@ -43,6 +43,8 @@ def session_budget(session: Session, workers: int | None = None, memory=None) ->
     """(workers, bytes per worker): DuckDB's threads and memory_limit unless given."""
     rows = session.con.execute("SELECT current_setting('threads'), current_setting('memory_limit')").fetchall()
     threads, limit = rows[0]
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise SpecError(f"workers={workers!r}: give a positive number of workers")
     workers = int(workers or threads)
     per_worker = parse_bytes(memory) if memory is not None else parse_bytes(str(limit).replace(" ", "")) / workers
     return workers, per_worker

@@ -5,6 +5,10 @@ every op reads its operands in the planned tiling (repartitions become Tile/Conc
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from math import ceil, prod
@@ -25,7 +29,7 @@ from tra_sql.decompose.cost import (
 )
 from tra_sql.decompose.model import Model, axis_candidates, build
 from tra_sql.decompose.problem import extract, is_retile, producer
-from tra_sql.errors import ShapeError
+from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
 #: Graphs of more ops than this search fewer tile counts per index (still not only powers of two).
@@ -112,8 +116,19 @@ class Plan:
 
     # -- showing it -------------------------------------------------------------------
     def explain(self, fmt: str = "text") -> str:
-        """The plan as text (``fmt='text'``) or as a Graphviz DOT graph (``fmt='dot'``)."""
-        return self.dot() if fmt == "dot" else self._text()
+        """The plan as ``text``, a Graphviz DOT graph (``dot``), that graph drawn as SVG
+        (``svg``: needs Graphviz's ``dot`` program) or ``json`` (the ops and their costs)."""
+        if fmt == "text":
+            return self._text()
+        if fmt == "dot":
+            return self.dot()
+        if fmt == "svg":
+            return _svg(self.dot())
+        if fmt == "json":
+            return json.dumps({"root": self.root.label, "workers": self.workers, "memory": self.memory,
+                               "cost": self.cost, "staged": self.staged,
+                               "ops": [dataclasses.asdict(op) for op in self.ops]})
+        raise SpecError(f"explain format {fmt!r} is not one of text, dot, svg, json")
 
     def _text(self) -> str:
         b = self.breakdown()
@@ -190,6 +205,19 @@ def _grid(parts: dict[int, tuple[int, ...]], node: Node) -> tuple[int, ...]:
         q = dict(zip(node.spec.indices, parts[id(node)]))
         return tuple(q[c] for c in node.spec.output)
     return node.grid
+
+
+def _svg(dot: str) -> str:
+    """``dot`` drawn by Graphviz as SVG."""
+    program = shutil.which("dot")
+    if program is None:
+        raise TraError("explain('svg') needs Graphviz's dot program: install Graphviz "
+                       "(apt-get install graphviz, brew install graphviz or conda install graphviz), "
+                       "or use explain('dot')")
+    done = subprocess.run([program, "-Tsvg"], input=dot, capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        raise TraError(f"Graphviz could not draw the plan: {done.stderr.strip()}")
+    return done.stdout
 
 
 def _size(n: float) -> str:
