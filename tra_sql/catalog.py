@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import os
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -31,6 +33,24 @@ LAYOUTS = ("dense", "csr")
 KEY_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_TILE_ELEMENTS = 1 << 20
+HEADER_BYTES = 3 * 4096  # a DuckDB file's main header and its two database headers
+
+
+def remove_unwritten_database(path: str) -> None:
+    """Remove database file ``path`` if DuckDB's creation of it was interrupted before its
+    headers were written: a process killed while connecting leaves an empty file or a lone main
+    header, which DuckDB refuses to open and which holds nothing. Any other file, one with a
+    WAL and one that a process holds open (DuckDB locks it) are left alone."""
+    if not os.path.isfile(path) or os.path.getsize(path) >= HEADER_BYTES or os.path.exists(path + ".wal"):
+        return
+    with open(path, "rb+") as file:
+        try:
+            fcntl.lockf(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return
+        head = file.read(HEADER_BYTES)
+        if len(head) < HEADER_BYTES and (not head or head[8:12] == b"DUCK"):
+            os.remove(path)
 
 
 def catalog_ddl() -> str:

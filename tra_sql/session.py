@@ -40,6 +40,8 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
     if memory_limit is not None:
         config["memory_limit"] = memory_limit
     allocator.retain_freed_memory()
+    if not read_only:
+        catalog.remove_unwritten_database(database)
     try:
         con = duckdb.connect(database, read_only=read_only, config=config)
     except duckdb.Error as err:
