@@ -9,6 +9,7 @@ from tra_sql.errors import (
     CorruptTileError,
     DTypeError,
     ExecutionError,
+    MemoryBudgetError,
     ShapeError,
     SpecError,
     SQLError,
@@ -22,5 +23,6 @@ from tra_sql.tensor import Tensor
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
     "UnknownTensorError", "TensorExistsError", "CorruptTileError", "CatalogDriftError", "ExecutionError", "SQLError",
+    "MemoryBudgetError",
 ]
 __version__ = "0.1.0"

@@ -37,6 +37,11 @@ class CatalogDriftError(TraError):
     outside tra_sql, or the row itself is invalid (``Session.check`` lists and repairs)."""
 
 
+class MemoryBudgetError(TraError, MemoryError):
+    """A tensor, result or tile whose size is known before it runs and exceeds what the
+    session can hold (``tra_sql.budget``): refused before anything is allocated."""
+
+
 class ExecutionError(TraError):
     """The engine rejected or failed a generated or user statement."""
 

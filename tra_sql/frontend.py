@@ -49,12 +49,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import duckdb
+import numpy as np
 import sqlglot
 from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
 
-from tra_sql import catalog
+from tra_sql import budget, catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import (
     DTypeError,
@@ -227,6 +228,14 @@ def _ints(node: exp.Expression, what: str) -> tuple[int, ...]:
     return (_int(node, what),)
 
 
+def _dtype(name: str) -> np.dtype:
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise DTypeError(f"dtype {name!r} is not one of {', '.join(SQL_TYPES)}") from None
+    return catalog.check_dtype(dtype)
+
+
 def _name(call: exp.Anonymous) -> str:
     return call.name.lower()
 
@@ -294,7 +303,7 @@ class Rewriter:
 
     def __init__(self, session: Session, run: bool = False):
         self.session = session
-        self.run = run  # the statement runs now (else it is only shown): tra_check may repair
+        self.run = run  # the statement runs now (else it is only shown): memory budgets apply, tra_check may repair
         self.literals: dict[str, exp.Select] = {}
         self.counter = itertools.count(1)
         self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
@@ -314,6 +323,8 @@ class Rewriter:
             first = err.errors[0] if err.errors else {}
             raise SQLError(f"syntax error at line {first.get('line', '?')}, column {first.get('col', '?')} "
                            f"near {first.get('highlight', '')!r}: {first.get('description', err)}") from None
+        except RecursionError:
+            raise SQLError("the statement is nested too deeply to rewrite") from None
         if isinstance(tree, exp.Command):
             raise SQLError("this statement is outside the SQL that sqlglot can rewrite")
         return tree
@@ -378,7 +389,7 @@ class Rewriter:
         shape = _ints(options["shape"] if "shape" in options else args[0], "shape")
         name = f"_{fname}_{next(self.counter)}"
         tile = _ints(options["tile"], "tile") if "tile" in options else None
-        dt = catalog.check_dtype(_string(options["dtype"], "dtype") if "dtype" in options else dtype)
+        dt = _dtype(_string(options["dtype"], "dtype") if "dtype" in options else dtype)
         return TensorInfo(name, dt, shape, catalog.check_tile(shape, tile, fname))
 
     def _literal(self, info: TensorInfo, select: exp.Select) -> Tensor:
@@ -398,6 +409,8 @@ class Rewriter:
             raise DTypeError(f"tra_random() draws floats; dtype {info.dtype} is not float32 or float64")
         if seed < 0:
             raise SpecError(f"tra_random(): seed must be non-negative, got {seed}")
+        if self.run:
+            budget.check_generated(self.session, "tra_random()", info.shape, info.tile, info.dtype)
         keys = [exp.column("k", f"r{d}") for d in range(len(info.shape))]
         meta = _meta(name="tra_random", dtype=info.dtype.name, shape=info.shape, tile=info.tile, seed=seed,
                      dist=dist)
@@ -414,6 +427,8 @@ class Rewriter:
             raise SpecError("tra_from_elements() takes a table or (query) of elements, then shape => [...]")
         source, args = args[0], args[1:]
         info = self._geometry("tra_from_elements", args, options, "float64")
+        if self.run:
+            budget.check_tile(budget.Budget.of(self.session), "tra_from_elements()", info.tile, info.dtype)
         rank = len(info.shape)
         columns = [f"i{d}" for d in range(rank)] + ["value"]
         if isinstance(source, exp.Subquery):
@@ -440,6 +455,8 @@ class Rewriter:
 
     def query(self, tensor: Tensor) -> exp.Select:
         """The tile relation of ``tensor``: the program's query with its literals' CTEs."""
+        if self.run:
+            budget.check_program(self.session, tensor.node)
         program = tensor.program()
         self.session.ensure_udfs(program.udfs)
         select = program.query()
@@ -568,7 +585,7 @@ class CreateTensor:
 def _create(session: Session, statement: Statement, run: bool) -> str | None:
     create = CreateTensor.of(statement)
     name, replace, exists = create.name, create.replace, create.if_not_exists
-    rewriter = Rewriter(session)
+    rewriter = Rewriter(session, run)
     tensor, query = rewriter.source(rewriter.parse(create.select))
     info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
     sql = query.sql(dialect="duckdb", pretty=not run)

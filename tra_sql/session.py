@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import absent, allocator, catalog, errors, graph, structure
+from tra_sql import absent, allocator, budget, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
 from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
@@ -190,10 +190,12 @@ class Session:
         return Tensor(self, graph.add(list(nodes)))
 
     def full(self, shape, value: float, dtype="float64", tile=None) -> Tensor:
-        """A constant tensor (lazy: its tiles are generated in SQL)."""
+        """A constant tensor (lazy: its tiles are generated in SQL); one this session cannot
+        hold raises ``MemoryBudgetError`` (``tra_sql.budget``)."""
         shape = tuple(int(n) for n in shape)
         dtype = catalog.check_dtype(dtype)
         tile = catalog.check_tile(shape, tile, "full")
+        budget.check_generated(self, f"full({shape})", shape, tile, dtype)
         return Tensor(self, graph.Fill(shape, dtype, tile, float(value) if dtype.kind == "f" else int(value)))
 
     def zeros(self, shape, dtype="float64", tile=None) -> Tensor:
@@ -214,6 +216,7 @@ class Session:
 
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""
+        budget.check_program(self, program.root)
         self._prepare(program)
         try:
             return self.con.sql(program.sql(pretty=False)).to_arrow_table()
@@ -226,6 +229,7 @@ class Session:
 
     def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
         program = tensor.program()
+        budget.check_program(self, program.root)
         self._prepare(program)
         info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
         try:

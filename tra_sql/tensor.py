@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from tra_sql import graph, structure
+from tra_sql import budget, graph, structure
 from tra_sql.graph import Node, Source, topological
 from tra_sql.sqlgen import Program
 
@@ -53,7 +53,9 @@ class Tensor:
 
     def arrow(self, plan=None) -> pa.Table:
         """Run the program (under ``plan``, from ``db.plan()``, if given); the tile relation
-        as an Arrow table."""
+        as an Arrow table. A result this process cannot hold raises ``MemoryBudgetError``
+        first (``tra_sql.budget``)."""
+        budget.check_result(self, "arrow")
         if plan is None:
             return self.session.run(self.program())
         from tra_sql.decompose import execute
@@ -62,7 +64,10 @@ class Tensor:
     def numpy(self, plan=None) -> np.ndarray:
         """Run the program in the engine and assemble the tiles into an ndarray. ``plan``:
         a ``db.plan()`` to follow; by default large programs are planned automatically
-        (``False``: run as written)."""
+        (``False``: run as written). The array, and the tiles it is assembled from, must fit
+        in the memory available (twice the result's bytes), else ``MemoryBudgetError`` is
+        raised before anything runs (``tra_sql.budget``)."""
+        budget.check_result(self, "numpy")
         from tra_sql.decompose import execute
         chosen = execute.resolve(self, plan)
         return self.session.fetch_numpy(self) if chosen is None else execute.numpy(self, chosen)
