@@ -4,7 +4,8 @@ With ``-c`` or ``-f`` the statements run in order and stop at the first error (e
 one line on stderr). Without them, statements are read from a prompt (from stdin when it is
 not a terminal): a statement may span lines and ends with ``;``; ``EXPLAIN <statement>``
 prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.help`` and ``.quit``
-are commands. Results are printed as tables.
+(or ``.exit``) are commands, taking no arguments (anything else is an error line, as a failed
+statement is). Results are printed as tables.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from tra_sql.session import Session, connect
 
 HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
 QUIET = (["Count"], ["Success"])
+QUIT = (".quit", ".exit")
+COMMANDS = (".tensors", ".help", *QUIT)
 HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's:
   SELECT * FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 * x1'] [, agg => 'sum'])
   SELECT * FROM tra_elements(A)                      -- one row per element
@@ -112,15 +115,23 @@ def _save_history(readline) -> None:
         pass
 
 
-def command(db: Session, line: str, out: TextIO) -> bool:
-    """Run a dot command; False for .quit."""
-    name = line.split()[0].lower()
-    if name in (".quit", ".exit"):
+def command(db: Session, line: str, out: TextIO, err: TextIO) -> bool:
+    """Run a dot command other than .quit; False (after an error line) if it failed."""
+    name, *args = line.split()
+    if name.lower() not in COMMANDS:
+        print(f"Error: unknown command {name}; the commands are {', '.join(COMMANDS)}", file=err)
         return False
-    if name == ".tensors":
-        show(db.con.sql("SELECT * FROM tra_tensors ORDER BY name"), out)
-    else:
+    if args:
+        print(f"Error: {name} takes no arguments, got {' '.join(args)}", file=err)
+        return False
+    if name.lower() == ".help":
         print(HELP, file=out)
+        return True
+    try:
+        show(db.con.sql("SELECT * FROM tra_tensors ORDER BY name"), out)
+    except duckdb.Error as error:
+        print(f"Error: .tensors: {one_line(error)}", file=err)
+        return False
     return True
 
 
@@ -142,8 +153,9 @@ def repl(db: Session, out: TextIO, err: TextIO, interactive: bool) -> int:
             print(file=out)
             continue
         if not buffer and line.strip().startswith("."):
-            if not command(db, line.strip(), out):
+            if line.split()[0].lower() in QUIT:
                 break
+            ok = command(db, line.strip(), out, err) and ok
             continue
         buffer.append(line)
         text = "\n".join(buffer)
@@ -177,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         db = connect(args.database)
     except OSError as error:
         print(f"Error: cannot read {args.file}: {error.strerror}", file=sys.stderr)
+        return 1
+    except UnicodeDecodeError as error:
+        print(f"Error: cannot read {args.file}: byte {error.start} is not UTF-8 text", file=sys.stderr)
         return 1
     except TraError as error:
         print(f"Error: {one_line(error)}", file=sys.stderr)

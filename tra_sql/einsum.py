@@ -79,6 +79,9 @@ def _expand_ellipsis(spec: str, inputs: list[str], ranks: list[int] | None) -> t
                              f"{named} named indices of {sub!r}")
         widths.append(rank - named if "..." in sub else 0)
     free = [c for c in string.ascii_letters if c not in spec]
+    if max(widths) > len(free):
+        raise ShapeError(f"einsum spec {spec!r}: '...' stands for {max(widths)} dimensions, more than the "
+                         f"{len(free)} index letters the spec leaves free")
     ellipsis = "".join(free[: max(widths)])
     expanded = [sub.replace("...", ellipsis[len(ellipsis) - w :] if w else "") for sub, w in zip(inputs, widths)]
     return expanded, ellipsis
@@ -101,7 +104,12 @@ def broadcast(spec: EinsumSpec, shapes: list[tuple[int, ...]], names: list[str])
             elif n not in (1, known):
                 raise ShapeError(f"einsum {spec}: index {ch!r} has size {known} in "
                                  f"'{where[ch]}' but {n} in '{name}'")
-    free = iter(c for c in string.ascii_letters if c not in sizes)
+    free = [c for c in string.ascii_letters if c not in sizes]
+    broadcasting = sum(n == 1 and sizes[ch] > 1 for sub, shape in zip(spec.inputs, shapes) for ch, n in zip(sub, shape))
+    if broadcasting > len(free):
+        raise ShapeError(f"einsum {spec}: broadcasting {broadcasting} size-1 dimensions needs as many index "
+                         f"letters besides the spec's, and only {len(free)} are left")
+    free = iter(free)
     inputs = []
     for sub, shape in zip(spec.inputs, shapes):
         renamed = {ch: next(free) for ch, n in zip(sub, shape) if n == 1 and sizes[ch] > 1}

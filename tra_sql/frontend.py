@@ -672,13 +672,23 @@ def _run_one(session: Session, statement: Statement, params, cursor: bool):
         raise engine_error(err, statement.where()) from err
 
 
+@contextmanager
+def blamed(statement: Statement) -> Iterator[None]:
+    """Name ``statement`` in any ``TraError`` raised inside; an engine error (reading the
+    catalog while rewriting, say) becomes one."""
+    try:
+        yield
+    except TraError as err:
+        raise with_context(err, statement.where(), "statement") from None
+    except duckdb.Error as err:
+        raise engine_error(err, statement.where()) from None
+
+
 def run_statement(session: Session, statement: Statement, params=None, *, cursor: bool = False):
     """Run one statement; its result as DuckDB gives it (``None`` for CREATE/DROP TENSOR)."""
     ensure_functions(session)
-    try:
+    with blamed(statement):
         return _run_one(session, statement, params, cursor)
-    except TraError as err:
-        raise with_context(err, statement.where(), "statement") from None
 
 
 def run(session: Session, text: str, params=None, *, cursor: bool = False):
@@ -701,11 +711,9 @@ def explain_statement(session: Session, statement: Statement) -> str | None:
     """For ``EXPLAIN <statement with tensor syntax>``, the SQL it is rewritten into; else ``None``."""
     if statement.kind != "explain" or statement.analyze:
         return None
-    try:
+    with blamed(statement):
         inner = explained(statement)
         return None if inner.kind == "plain" else f"{rewrite_statement(session, inner)};"
-    except TraError as err:
-        raise with_context(err, statement.where(), "statement") from None
 
 
 def explain(session: Session, text: str) -> str:
@@ -713,8 +721,6 @@ def explain(session: Session, text: str) -> str:
     ensure_functions(session)
     out = []
     for statement in split_statements(text):
-        try:
+        with blamed(statement):
             out.append(rewrite_statement(session, statement))
-        except TraError as err:
-            raise with_context(err, statement.where(), "statement") from None
     return ";\n\n".join(s for s in out if s) + ";"

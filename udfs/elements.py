@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tra_sql.errors import CorruptTileError, DTypeError, ShapeError
+from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.register import tile_shapes
 
@@ -63,10 +63,46 @@ def tile_ints(tiles, dtypes) -> pa.Array:
     return _decode(tiles, dtypes, np.int64)
 
 
+def _read_meta(column, function: str, *extra: str) -> dict:
+    """The JSON meta argument of ``function`` (it must hold the geometry and ``extra`` keys)."""
+    text = first_string(column)
+    try:
+        meta = json.loads(text)
+    except (TypeError, ValueError):
+        meta = None
+    keys = ("name", "dtype", "shape", "tile", *extra)
+    if not isinstance(meta, dict) or any(k not in meta for k in keys) or meta["dtype"] not in DTYPES:
+        raise SpecError(f"{function}(): meta {text!r} is not what the tensor SQL rewrite writes "
+                        f"(JSON with {', '.join(keys)})")
+    return meta
+
+
 def _geometry(meta: dict) -> tuple[str, np.dtype, np.ndarray, np.ndarray]:
     """(name, dtype, full sizes, tile sizes) from a meta payload."""
     return (meta["name"], np.dtype(meta["dtype"]), np.array(meta["shape"], dtype=np.int64),
             np.array(meta["tile"], dtype=np.int64))
+
+
+def _shapes(name: str, keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.ndarray:
+    """Per-row tile shapes; a key outside the tile grid is a ``ShapeError``."""
+    shapes = tile_shapes(keys, sizes, tiles)
+    outside = ((keys < 0) | (shapes <= 0)).any(axis=1)
+    if outside.any():
+        key = tuple(int(k) for k in keys[int(np.argmax(outside))])
+        raise ShapeError(f"{name}(): tile key {key} is outside the tile grid of shape {tuple(sizes.tolist())}")
+    return shapes
+
+
+def _values(name: str, column, dtype: np.dtype) -> np.ndarray:
+    """Element values as ``dtype``; an integer tensor takes whole numbers in its range only."""
+    values = column.to_numpy(zero_copy_only=False)
+    if dtype.kind == "i":
+        limit = 2.0 ** (8 * dtype.itemsize - 1)
+        bad = ~np.isfinite(values) | (values != np.round(values)) | (values < -limit) | (values >= limit)
+        if bad.any():
+            raise DTypeError(f"{name}(): value {float(values[int(np.argmax(bad))])} is not a whole number "
+                             f"that {dtype} holds")
+    return values.astype(dtype)
 
 
 def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -79,10 +115,10 @@ def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.nd
 def random_tiles(meta_col, keys_col) -> pa.Array:
     """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
     with (seed, *key), so a tile's values depend on the seed, the key and the tiling only."""
-    meta = json.loads(first_string(meta_col))
-    _, dtype, sizes, tiles = _geometry(meta)
+    meta = _read_meta(meta_col, "tra_random_tile", "seed", "dist")
+    name, dtype, sizes, tiles = _geometry(meta)
     keys = key_matrix(keys_col, len(sizes))
-    shapes = tile_shapes(keys, sizes, tiles)
+    shapes = _shapes(name, keys, sizes, tiles)
     buf, offsets = _tile_buffer(shapes, dtype)
     for row, key in enumerate(keys):
         rng = np.random.default_rng([meta["seed"], *key.tolist()])
@@ -95,7 +131,7 @@ def random_tiles(meta_col, keys_col) -> pa.Array:
 def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
     elements; absent elements are zero and repeated indices add up."""
-    name, dtype, sizes, tiles = _geometry(json.loads(first_string(meta_col)))
+    name, dtype, sizes, tiles = _geometry(_read_meta(meta_col, "tra_pack_tile"))
     rank = len(sizes)
     keys = key_matrix(keys_col, rank)
     starts, flat_index = list_views(index_col)
@@ -114,6 +150,6 @@ def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     for d in range(rank - 2, -1, -1):
         strides[:, d] = strides[:, d + 1] * shapes[:, d + 1]
     buf, offsets = _tile_buffer(shapes, dtype)
-    values = flat_values.to_numpy(zero_copy_only=False).astype(dtype)
+    values = _values(name, flat_values, dtype)
     np.add.at(buf, offsets[row] + (local * strides[row]).sum(axis=1), values)
     return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)

@@ -1,9 +1,14 @@
 """Join expressions: SQL scalar expressions over ``x0..xn``, translated to Numba code.
 
 The expression is parsed by sqlglot (DuckDB dialect) and rewritten node by node into a
-Python expression that Numba compiles inside a loop kernel. SQL semantics are kept where
-they differ from Python's: ``log(x)`` is base 10, ``log(b, x)`` is base ``b``, ``ln`` is
-natural, ``round`` rounds half away from zero, ``%`` truncates like C.
+Python expression that Numba compiles inside a loop kernel. It evaluates as DuckDB evaluates
+it: ``log(x)`` is base 10, ``log(b, x)`` is base ``b``, ``ln`` is natural, ``round`` rounds
+half away from zero, ``%`` and ``//`` truncate like C, ``/`` divides in floating point
+(``x / 0`` is ``inf``), NaN compares above every number and equal to itself (so
+``greatest(x, nan)`` is NaN and ``least(x, nan)`` is ``x``), any non-zero number is true.
+Where DuckDB has no value to give, IEEE arithmetic does: ``x % 0`` and ``x // 0`` (errors in
+DuckDB) and ``CASE`` without ``ELSE`` (NULL in DuckDB; a tile holds no NULLs) give NaN, inf
+and 0. Each operand of a node is evaluated once (compound ones are bound by a ``lambda``).
 """
 
 from __future__ import annotations
@@ -17,59 +22,68 @@ from sqlglot import exp
 from tra_sql.errors import SpecError
 
 UNARY = {
-    exp.Exp: "math.exp({})",
-    exp.Ln: "math.log({})",
-    exp.Sqrt: "math.sqrt({})",
+    exp.Exp: "np.exp({})",
+    exp.Ln: "np.log({})",
+    exp.Sqrt: "np.sqrt({})",
     exp.Abs: "abs({})",
-    exp.Tanh: "math.tanh({})",
-    exp.Sin: "math.sin({})",
-    exp.Cos: "math.cos({})",
-    exp.Floor: "math.floor({})",
-    exp.Ceil: "math.ceil({})",
+    exp.Tanh: "np.tanh({})",
+    exp.Sin: "np.sin({})",
+    exp.Cos: "np.cos({})",
+    exp.Floor: "np.floor({})",
+    exp.Ceil: "np.ceil({})",
     exp.Sign: "np.sign({})",
     exp.Neg: "(-{})",
-    exp.Not: "(not {})",
+    exp.Not: "({} == 0)",
     exp.Paren: "({})",
 }
 BINARY = {
     exp.Add: "({} + {})",
     exp.Sub: "({} - {})",
     exp.Mul: "({} * {})",
-    exp.Div: "({} / {})",
-    exp.IntDiv: "({} // {})",
-    exp.Mod: "math.fmod({}, {})",
-    exp.Pow: "({} ** {})",
-    exp.EQ: "({} == {})",
-    exp.NEQ: "({} != {})",
-    exp.LT: "({} < {})",
-    exp.LTE: "({} <= {})",
-    exp.GT: "({} > {})",
-    exp.GTE: "({} >= {})",
-    exp.And: "({} and {})",
-    exp.Or: "({} or {})",
+    exp.Div: "np.divide({}, {})",
+    exp.IntDiv: "np.trunc(np.divide({}, {}))",
+    exp.Mod: "np.fmod(float({}), float({}))",  # Numba's integer fmod floors
+    exp.Pow: "np.power(float({}), {})",
+    exp.And: "(({} != 0) and ({} != 0))",
+    exp.Or: "(({} != 0) or ({} != 0))",
 }
+# DuckDB's order: NaN is above every number and equal to itself ({0} != {0} only for NaN)
+COMPARE = {
+    exp.EQ: "{0} == {1} or ({0} != {0} and {1} != {1})",
+    exp.NEQ: "{0} != {1} and ({0} == {0} or {1} == {1})",
+    exp.LT: "{0} < {1} or ({1} != {1} and {0} == {0})",
+    exp.LTE: "{0} <= {1} or {1} != {1}",
+    exp.GT: "{0} > {1} or ({0} != {0} and {1} == {1})",
+    exp.GTE: "{0} >= {1} or {0} != {0}",
+}
+ROUND = "{0} if abs({0}) >= 4503599627370496.0 else np.copysign(np.floor(abs({0}) + 0.5), {0})"  # 2^52: integral
 ANONYMOUS = {
-    "sigmoid": (1, "(1.0 / (1.0 + math.exp(-{})))"),
-    "relu": (1, "max({}, 0.0)"),
+    "sigmoid": (1, "(1.0 / (1.0 + np.exp(-{})))"),
+    "relu": (1, "np.maximum({}, 0.0)"),
     "erf": (1, "math.erf({})"),
 }
-FLOAT_TYPES = {"DOUBLE", "FLOAT", "REAL"}
+FLOAT_TYPES = {"DOUBLE": "float", "FLOAT": "np.float32", "REAL": "np.float32"}
 FUNCTION_NAMES = sorted(
     ["exp", "ln", "log", "sqrt", "pow", "power", "abs", "tanh", "sin", "cos", "floor", "ceil",
      "sign", "round", "greatest", "least", "pi", "cast"] + list(ANONYMOUS)
 )
+SIMPLE = re.compile(r"[\w.]+|\(-math\.inf\)")  # a name or a number: no cost to repeat
+OPERAND = re.compile(r"x(0|[1-9][0-9]*)")
+INT64 = 2**63
 
 
 def parse_join(text: str) -> exp.Expression:
     """Parse a join expression, raising ``SpecError`` with the parser's message."""
     try:
         return sqlglot.parse_one(text, read="duckdb")
-    except sqlglot.errors.ParseError as err:
+    except sqlglot.errors.SqlglotError as err:
         raise SpecError(f"join expression {text!r} does not parse: {err}") from None
+    except RecursionError:
+        raise SpecError(f"join expression {text!r} is nested too deeply") from None
 
 
 def _operand(node: exp.Column, n: int, text: str) -> str:
-    match = re.fullmatch(r"x(\d+)", node.name) if not node.table else None
+    match = OPERAND.fullmatch(node.name) if not node.table else None
     if match is None:
         raise SpecError(f"join expression {text!r}: unknown name {node.sql()!r}; "
                         f"operands are x0..x{n - 1}")
@@ -77,6 +91,23 @@ def _operand(node: exp.Column, n: int, text: str) -> str:
         raise SpecError(f"join expression {text!r} refers to {node.name} but the einsum has "
                         f"{n} operand(s): x0..x{n - 1}")
     return node.name
+
+
+def _once(template: str, *args: str) -> str:
+    """``template`` over ``args`` ({0}, {1}, ...), each evaluated once: a compound argument
+    that the template repeats is bound by a lambda."""
+    if all(SIMPLE.fullmatch(a) for a in args):
+        return f"({template.format(*args)})"
+    names = [f"_{chr(ord('a') + i)}" for i in range(len(args))]
+    return f"((lambda {', '.join(names)}: {template.format(*names)})({', '.join(args)}))"
+
+
+def _number(text: str) -> str:
+    if any(c in text for c in ".eE"):
+        value = float(text)
+        return "math.inf" if value == float("inf") else repr(value)
+    value = int(text)
+    return str(value) if -INT64 <= value < INT64 else _number(f"{value}.0")
 
 
 def _translate(node: exp.Expression, n: int, text: str) -> str:
@@ -89,7 +120,7 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
     if kind is exp.Literal:
         if node.is_string:
             raise SpecError(f"join expression {text!r}: string {node.sql()} is not a number")
-        return repr(float(node.this)) if any(c in node.this for c in ".eE") else str(int(node.this))
+        return _number(node.this)
     if kind is exp.Boolean:
         return "True" if node.this else "False"
     if kind is exp.Pi:
@@ -98,28 +129,32 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
         return UNARY[kind].format(go(node.this))
     if kind in BINARY:
         return BINARY[kind].format(go(node.this), go(node.expression))
+    if kind in COMPARE:
+        return _once(COMPARE[kind], go(node.this), go(node.expression))
     if kind is exp.Log:
         if node.expression is None:
-            return f"math.log10({go(node.this)})"
-        return f"(math.log({go(node.expression)}) / math.log({go(node.this)}))"
+            return f"np.log10({go(node.this)})"
+        return f"np.divide(np.log({go(node.expression)}), np.log({go(node.this)}))"
     if kind is exp.Round:
         if node.args.get("decimals") is not None:
             raise SpecError(f"join expression {text!r}: round() takes one argument here")
-        value = go(node.this)
-        return f"math.copysign(math.floor(abs({value}) + 0.5), {value})"
+        return _once(ROUND, go(node.this))
     if kind in (exp.Greatest, exp.Least):
-        args = [go(node.this)] + [go(e) for e in node.expressions]
-        return f"{'max' if kind is exp.Greatest else 'min'}({', '.join(args)})"
+        function = "np.maximum" if kind is exp.Greatest else "np.fmin"  # NaN is the largest
+        result = go(node.this)
+        for e in node.expressions:
+            result = f"{function}({result}, {go(e)})"
+        return result
     if kind is exp.Case:
         if node.this is not None:
             raise SpecError(f"join expression {text!r}: use CASE WHEN <condition>, not CASE <value>")
         result = go(node.args["default"]) if node.args.get("default") is not None else "0.0"
         for branch in reversed(node.args["ifs"]):
-            result = f"({go(branch.args['true'])} if {go(branch.this)} else {result})"
+            result = f"({go(branch.args['true'])} if ({go(branch.this)}) != 0 else {result})"
         return result
     if kind is exp.If:
         otherwise = node.args.get("false")
-        return f"({go(node.args['true'])} if {go(node.this)} else {go(otherwise) if otherwise else '0.0'})"
+        return f"({go(node.args['true'])} if ({go(node.this)}) != 0 else {go(otherwise) if otherwise else '0.0'})"
     if kind is exp.Cast:
         return _cast(node, go, text)
     if kind is exp.Anonymous:
@@ -139,21 +174,28 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
 
 
 def _cast(node: exp.Cast, go, text: str) -> str:
-    """``CAST(e AS DOUBLE)``, and ``'inf'::DOUBLE`` / ``'-inf'`` / ``'nan'`` constants."""
+    """``CAST(e AS DOUBLE)`` or ``AS FLOAT`` (rounded to float32, as DuckDB's FLOAT is), and
+    constants such as ``'inf'::DOUBLE``, ``'-inf'``, ``'nan'``."""
     target = node.to.this.name if hasattr(node.to.this, "name") else str(node.to.this)
     if target not in FLOAT_TYPES:
         raise SpecError(f"join expression {text!r}: only casts to DOUBLE/FLOAT are supported")
-    inner = node.this
-    if isinstance(inner, exp.Literal) and inner.is_string:
-        try:
-            return f"float({float(inner.this)!r})".replace("float(inf)", "math.inf").replace(
-                "float(-inf)", "(-math.inf)").replace("float(nan)", "math.nan")
-        except ValueError:
-            raise SpecError(f"join expression {text!r}: {inner.sql()} is not a number") from None
-    return f"float({go(inner)})"
+    convert, inner = FLOAT_TYPES[target], node.this
+    if not (isinstance(inner, exp.Literal) and inner.is_string):
+        return f"{convert}({go(inner)})"
+    try:
+        value = float(inner.this)
+    except ValueError:
+        raise SpecError(f"join expression {text!r}: {inner.sql()} is not a number") from None
+    if value != value or abs(value) == float("inf"):
+        return "math.nan" if value != value else "math.inf" if value > 0 else "(-math.inf)"
+    return repr(value) if convert == "float" else f"{convert}({value!r})"
 
 
 @lru_cache(maxsize=256)
 def join_code(text: str, n_operands: int) -> str:
     """Numba source for the join expression ``text`` over ``n_operands`` scalars."""
-    return _translate(parse_join(text), n_operands, text)
+    tree = parse_join(text)
+    try:
+        return _translate(tree, n_operands, text)
+    except RecursionError:
+        raise SpecError(f"join expression {text!r} is nested too deeply") from None
