@@ -151,6 +151,14 @@ def test_repair_drops_rows_whose_table_is_gone_and_reports_tables_without_a_row(
         db.tensor("C")
 
 
+def test_repair_drops_staging_tables_a_killed_planned_store_left(db):
+    db.from_numpy("A", A, tile=(2, 2))
+    db.con.execute('CREATE TABLE "_tra_stage_1f2e3d4c_2" AS SELECT * FROM "A"').fetchall()
+    assert [(f.tensor, f.problem) for f in db.check()] == [("_tra_stage_1f2e3d4c_2", "stage table")]
+    assert [f.repaired for f in db.check(repair=True)] == [True]
+    assert db.check() == [] and db.tensors() == ["A"]
+
+
 def test_tra_check_in_sql_repairs_only_when_it_runs(db):
     db.from_numpy("A", A, tile=(2, 2))
     db.con.execute('DROP TABLE "A"').fetchall()

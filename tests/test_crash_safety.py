@@ -50,6 +50,12 @@ def data() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
                   "W2": rng.standard_normal((3, 2)) * 0.5}
 
 
+def factors() -> tuple[np.ndarray, np.ndarray]:
+    """PA and PB, whose product P a planned store computes in bands."""
+    rng = np.random.default_rng(2)
+    return rng.random((40, 64)), rng.random((64, 30))
+
+
 def model(db: tra_sql.Session):
     """A tiny MLP's loss and parameters (as in tests/test_training.py); its data is stored anew."""
     X, Y, init = data()
@@ -62,7 +68,8 @@ def model(db: tra_sql.Session):
 
 def storage_round(db: tra_sql.Session, step: int) -> None:
     """Replace T (a new generation), C = 2 T (twice), D = T.T and R; add N<g>; drop all but
-    the two newest N tensors (by db.drop or DROP TENSOR)."""
+    the two newest N tensors (by db.drop or DROP TENSOR); every third step, store P = PA PB
+    under a plan that stages it in bands."""
     g = random.randrange(1, 10**6)
     db.from_numpy("T", stamp(g), tile=(4, 3), replace=True)
     db.from_numpy(f"N{g}", stamp(g), tile=(4, 3))
@@ -73,6 +80,9 @@ def storage_round(db: tra_sql.Session, step: int) -> None:
     stale = db.con.execute("SELECT name FROM tra_tensors WHERE name LIKE 'N%' ORDER BY rowid").fetchall()[:-2]
     for (name,) in stale:
         db.drop(name) if step % 2 else db.sql(f"DROP TENSOR {name}")
+    if step % 3 == 0:
+        product = db.einsum("ij,jk->ik", "PA", "PB")
+        product.store("P", replace=True, plan=db.plan(product, workers=1, memory="40KB"))
 
 
 def work(path: str, epochs: int, staged: bool) -> None:
@@ -84,8 +94,9 @@ def work(path: str, epochs: int, staged: bool) -> None:
     db.con.execute("SET checkpoint_threshold = '64KB'").fetchall()  # checkpoints often: kills land in them
     report("ready")
     loss, params = model(db)
-    if "TWO" not in db.tensors():
-        db.from_numpy("TWO", TWO, tile=(3, 3))
+    for name, value, tile in [("TWO", TWO, (3, 3)), *zip(("PA", "PB"), factors(), ((10, 16), (16, 10)))]:
+        if name not in db.tensors():
+            db.from_numpy(name, value, tile=tile)
     db.train(loss, params, Adam(lr=0.05), epochs, run="fit", progress=False,
              before_step=lambda step, batch: storage_round(db, step))
     db.close()
@@ -186,7 +197,9 @@ class Reference:
         self.steps = {0: {**{p.name: p.numpy() for p in self.params},
                           **{s: np.zeros(self.db.tensor(s.split("__")[2]).shape) for s in STATE}}}
         self.db.sql(f"CREATE TENSOR R AS {RANDOM}")
-        self.known = {"X": data()[0], "Y": data()[1], "TWO": TWO, "R": self.db.tensor("R").numpy()}
+        PA, PB = factors()
+        self.known = {"X": data()[0], "Y": data()[1], "TWO": TWO, "R": self.db.tensor("R").numpy(), "PA": PA,
+                      "PB": PB, "P": PA @ PB}
 
     def at(self, step: int) -> dict[str, np.ndarray]:
         """What the tensors hold once ``step`` is committed: weights, Adam moments, constants."""
@@ -199,10 +212,13 @@ class Reference:
         return {name: self.db.tensor(name).numpy() for name in self.names}
 
 
-def check_file(path: Path, reference: Reference) -> int:
+def check_file(path: Path, reference: Reference) -> tuple[int, int]:
     """Reopen ``path``; assert that every tensor is whole or absent and holds what it should,
-    the weights and moments those of the committed step, which is returned."""
+    the weights and moments those of the committed step. (That step, staging tables that
+    ``db.check(repair=True)`` had to drop.)"""
     with tra_sql.connect(str(path), threads=1) as db:
+        found = db.check(repair=True)
+        assert [f.problem for f in found] == ["stage table"] * len(found), found
         assert db.check() == []
         step = committed_step(db)
         known = reference.at(step)
@@ -214,7 +230,7 @@ def check_file(path: Path, reference: Reference) -> int:
                 np.testing.assert_array_equal(value, stamp(g), err_msg=name)
             elif name in known:
                 np.testing.assert_allclose(value, known[name], rtol=1e-12, atol=0, err_msg=f"{name} at step {step}")
-        return step
+        return step, len(found)
 
 
 def committed_step(db: tra_sql.Session) -> int:
@@ -230,31 +246,32 @@ def committed_step(db: tra_sql.Session) -> int:
     return step
 
 
-def crash_loop(tmp_path: Path, kills: int, seed: int) -> list[int]:
+def crash_loop(tmp_path: Path, kills: int, seed: int) -> list[tuple[int, int]]:
     """Workers (half of them staging steps in temp tables) killed at random moments, ``kills``
     times, the file checked after each kill (but now and then left for the next worker to
     recover); then a worker that trains a few more steps and finishes, with the weights of the
-    uninterrupted run. The steps committed at the checks (-1: not checked)."""
+    uninterrupted run. Per kill: (the step committed, staging tables left), (-1, 0) if the
+    file was not checked."""
     rng = random.Random(seed)
     reference = Reference(tmp_path / "reference.duckdb")
-    path, zygote_, steps = tmp_path / "crash.duckdb", Zygote(), []
+    path, zygote_, seen = tmp_path / "crash.duckdb", Zygote(), []
     try:
-        while len(steps) < kills:
+        while len(seen) < kills:
             delay = rng.uniform(0, 0.3) if rng.random() < 0.25 else rng.uniform(0.3, 1.5)
             assert zygote_.run(path, ENDLESS, delay, staged=rng.random() < 0.5), "a worker finished an endless run"
-            steps.append(check_file(path, reference) if rng.random() < 0.8 else -1)
-        last = check_file(path, reference) + 3
+            seen.append(check_file(path, reference) if rng.random() < 0.8 else (-1, 0))
+        last = check_file(path, reference)[0] + 3
         assert not zygote_.run(path, last, None)
     finally:
         zygote_.close()
         reference.db.close()
-    assert check_file(path, reference) == last
-    return steps
+    assert check_file(path, reference) == (last, 0)
+    return seen
 
 
 def test_killed_workers_leave_every_tensor_whole_or_absent(tmp_path):
-    steps = crash_loop(tmp_path, kills=30, seed=0)
-    assert len(steps) == 30 and max(steps) > 0        # kills landed before and during training
+    seen = crash_loop(tmp_path, kills=30, seed=0)
+    assert len(seen) == 30 and max(step for step, _ in seen) > 0   # kills landed before and during training
 
 
 @pytest.mark.fuzz

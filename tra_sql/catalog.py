@@ -34,6 +34,7 @@ KEY_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_TILE_ELEMENTS = 1 << 20
 HEADER_BYTES = 3 * 4096  # a DuckDB file's main header and its two database headers
+STAGE_PREFIX = "_tra_stage_"  # the tables of a planned store's steps (tra_sql.decompose.execute)
 
 
 def remove_unwritten_database(path: str) -> None:
@@ -172,9 +173,9 @@ def object_kind(con: duckdb.DuckDBPyConnection, name: str) -> str | None:
 @dataclass(frozen=True)
 class Finding:
     """One problem ``check`` found: the tensor (or table), what is wrong (``no table``, ``no
-    catalog row``, ``no catalog table``, ``bad catalog row``, ``columns``, ``view``, ``null key``, ``key outside
-    grid``, ``duplicate key``, ``null tile``, ``tile size``, ``csr tile``), the details, and
-    whether ``repair`` fixed it."""
+    catalog row``, ``stage table``, ``no catalog table``, ``bad catalog row``, ``columns``,
+    ``view``, ``null key``, ``key outside grid``, ``duplicate key``, ``null tile``, ``tile
+    size``, ``csr tile``), the details, and whether ``repair`` fixed it."""
 
     tensor: str
     problem: str
@@ -348,12 +349,15 @@ def verify(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> None:
 
 def _orphans(con: duckdb.DuckDBPyConnection, known: set[str]) -> list[Finding]:
     """Tables (and views) shaped like tensor relations (keys ``k0..``, then ``tile``) without a
-    catalog row."""
+    catalog row: a planned store's staging tables (``_tra_stage_...``) that outlived their
+    process, and any other."""
     tables = con.execute(
         "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() "
         "WHERE database_name = current_database() AND schema_name = current_schema() GROUP BY table_name "
         "ORDER BY table_name").fetchall()
-    return [Finding(table, "no catalog row", f"'{table}' looks like a tensor relation but has no row in "
+    return [Finding(table, "stage table", f"'{table}' is a staging table of a planned store whose process died")
+            if table.lower().startswith(STAGE_PREFIX) else
+            Finding(table, "no catalog row", f"'{table}' looks like a tensor relation but has no row in "
                                              f"{CATALOG_TABLE} (left as it is)")
             for table, columns in tables
             if table.lower() not in known and table.lower() != CATALOG_TABLE
@@ -376,30 +380,41 @@ def tensor_findings(con: duckdb.DuckDBPyConnection, row: tuple) -> list[Finding]
 def check(con: duckdb.DuckDBPyConnection, repair: bool = False) -> list[Finding]:
     """Every disagreement between the catalog and the tables (reads every tile of every
     table; views are checked for their columns only). ``repair`` deletes the catalog rows whose
-    table is gone, in one transaction (or recreates a dropped catalog table); tables without a
-    row are reported, never dropped."""
+    table is gone and drops leftover staging tables, in one transaction (and recreates a
+    dropped catalog table); other tables without a row are reported, never dropped. Do not
+    repair while a planned store runs on the database (its staging tables would go)."""
     try:
         rows = con.execute(f"SELECT name, dtype, shape, tile_shape, layout FROM {CATALOG_TABLE} "
                            f"ORDER BY name").fetchall()
     except duckdb.CatalogException as err:  # dropped: every tensor table is now without a row
         if repair:
             ensure_catalog(con)
-        return [Finding(CATALOG_TABLE, "no catalog table", _unreadable_catalog(err), repair), *_orphans(con, set())]
-    findings = [f for row in rows for f in tensor_findings(con, row)]
-    findings += _orphans(con, {row[0].lower() for row in rows})
-    gone = [f.tensor for f in findings if f.problem == "no table"]
-    if repair and gone:
-        con.execute("BEGIN TRANSACTION").fetchall()
-        try:
-            for name in gone:
-                con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [name]).fetchall()
-            con.execute("COMMIT").fetchall()
-        except BaseException:
-            con.execute("ROLLBACK").fetchall()
-            raise
-        findings = [Finding(f.tensor, f.problem, f.detail, True) if f.problem == "no table" else f
-                    for f in findings]
-    return findings
+        lost = [Finding(CATALOG_TABLE, "no catalog table", _unreadable_catalog(err), repair)]
+        rows = []
+    else:
+        lost = []
+    findings = [f for row in rows for f in tensor_findings(con, row)] + _orphans(con, {r[0].lower() for r in rows})
+    return lost + (_repair(con, findings) if repair else findings)
+
+
+def _repair(con: duckdb.DuckDBPyConnection, findings: list[Finding]) -> list[Finding]:
+    """``findings``, those repaired marked so: catalog rows without a table deleted and
+    staging tables dropped, in one transaction."""
+    fixed = [f for f in findings if f.problem in ("no table", "stage table")]
+    if not fixed:
+        return findings
+    con.execute("BEGIN TRANSACTION").fetchall()
+    try:
+        for f in fixed:
+            if f.problem == "no table":
+                con.execute(f"DELETE FROM {CATALOG_TABLE} WHERE name = ?", [f.tensor]).fetchall()
+            else:
+                con.execute(f'DROP TABLE "{f.tensor}"').fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise
+    return [Finding(f.tensor, f.problem, f.detail, True) if f in fixed else f for f in findings]
 
 
 def findings_query(findings: list[Finding]) -> exp.Select:
