@@ -31,7 +31,9 @@ from tra_sql import nn, train
 from tra_sql.optim import Adam
 
 ENDLESS = 10**9  # the epochs of a run that is killed before it ends
-CHUNK = 50  # steps the reference run trains ahead
+BATCHES = 2  # steps per epoch (a kill between them resumes mid-epoch)
+CHUNK = 25  # epochs the reference run trains ahead
+EDGES = [(0, 1, 0.5), (2, 3, -1.0), (3, 3, 2.0)]
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 TWO = 2 * np.eye(5)
 STATE = [f"fit__{slot}__{name}" for slot in ("m", "v") for name in ("W1", "b1", "W2")]
@@ -67,9 +69,9 @@ def model(db: tra_sql.Session):
 
 
 def storage_round(db: tra_sql.Session, step: int) -> None:
-    """Replace T (a new generation), C = 2 T (twice), D = T.T and R; add N<g>; drop all but
-    the two newest N tensors (by db.drop or DROP TENSOR); every third step, store P = PA PB
-    under a plan that stages it in bands."""
+    """Replace T (a new generation), C = 2 T (twice), D = T.T, R and the relation view E; add
+    N<g>; drop all but the two newest N tensors (by db.drop or DROP TENSOR); every third step,
+    store P = PA PB under a plan that stages it in bands."""
     g = random.randrange(1, 10**6)
     db.from_numpy("T", stamp(g), tile=(4, 3), replace=True)
     db.from_numpy(f"N{g}", stamp(g), tile=(4, 3))
@@ -77,6 +79,7 @@ def storage_round(db: tra_sql.Session, step: int) -> None:
     db.sql("CREATE OR REPLACE TENSOR C AS SELECT * FROM einsum('ij->ij', C)")  # reads what it replaces
     db.sql("CREATE OR REPLACE TENSOR D AS SELECT * FROM einsum('ij->ji', T)")
     db.sql(f"CREATE OR REPLACE TENSOR R AS {RANDOM}")
+    db.relation("edges", ("dst", "src"), "w", shape=(4, 4), name="E", replace=True)
     stale = db.con.execute("SELECT name FROM tra_tensors WHERE name LIKE 'N%' ORDER BY rowid").fetchall()[:-2]
     for (name,) in stale:
         db.drop(name) if step % 2 else db.sql(f"DROP TENSOR {name}")
@@ -86,7 +89,7 @@ def storage_round(db: tra_sql.Session, step: int) -> None:
 
 
 def work(path: str, epochs: int, staged: bool) -> None:
-    """Train for ``epochs`` steps (resuming the run), a storage round before each step; each
+    """Train for ``epochs`` epochs (resuming the run), a storage round before each step; each
     step as one query, or ``staged`` in temp tables."""
     if staged:
         train.Trainer.fuse_bytes = lambda self: 0
@@ -97,7 +100,9 @@ def work(path: str, epochs: int, staged: bool) -> None:
     for name, value, tile in [("TWO", TWO, (3, 3)), *zip(("PA", "PB"), factors(), ((10, 16), (16, 10)))]:
         if name not in db.tensors():
             db.from_numpy(name, value, tile=tile)
-    db.train(loss, params, Adam(lr=0.05), epochs, run="fit", progress=False,
+    db.con.execute(f"CREATE TABLE IF NOT EXISTS edges AS SELECT * FROM (VALUES {', '.join(map(str, EDGES))}) "
+                   f"t(dst, src, w)").fetchall()
+    db.train(loss, params, Adam(lr=0.05), epochs, run="fit", batches=BATCHES, progress=False,
              before_step=lambda step, batch: storage_round(db, step))
     db.close()
     report("done")
@@ -196,16 +201,23 @@ class Reference:
         self.names = [p.name for p in self.params] + STATE
         self.steps = {0: {**{p.name: p.numpy() for p in self.params},
                           **{s: np.zeros(self.db.tensor(s.split("__")[2]).shape) for s in STATE}}}
+        self.losses: list[float] = []
         self.db.sql(f"CREATE TENSOR R AS {RANDOM}")
         PA, PB = factors()
+        E = np.zeros((4, 4))
+        for dst, src, w in EDGES:
+            E[dst, src] = w
         self.known = {"X": data()[0], "Y": data()[1], "TWO": TWO, "R": self.db.tensor("R").numpy(), "PA": PA,
-                      "PB": PB, "P": PA @ PB}
+                      "PB": PB, "P": PA @ PB, "E": E}
 
     def at(self, step: int) -> dict[str, np.ndarray]:
         """What the tensors hold once ``step`` is committed: weights, Adam moments, constants."""
         if step not in self.steps:
-            self.db.train(self.loss, self.params, Adam(lr=0.05), step + CHUNK, run="fit", progress=False,
-                          on_epoch=lambda epoch, _: self.steps.setdefault(epoch + 1, self.snapshot()))
+            epochs = step // BATCHES + CHUNK
+            history = self.db.train(self.loss, self.params, Adam(lr=0.05), epochs, run="fit", batches=BATCHES,
+                                    progress=False, before_step=lambda done, _: self.steps.setdefault(
+                                        done, self.snapshot()))
+            self.steps[epochs * BATCHES], self.losses = self.snapshot(), history.losses
         return {**self.known, **self.steps[step]}
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -214,14 +226,15 @@ class Reference:
 
 def check_file(path: Path, reference: Reference) -> tuple[int, int]:
     """Reopen ``path``; assert that every tensor is whole or absent and holds what it should,
-    the weights and moments those of the committed step. (That step, staging tables that
-    ``db.check(repair=True)`` had to drop.)"""
+    the weights and moments those of the committed step, the logged losses the uninterrupted
+    run's. (That step, staging tables that ``db.check(repair=True)`` had to drop.)"""
     with tra_sql.connect(str(path), threads=1) as db:
         found = db.check(repair=True)
         assert [f.problem for f in found] == ["stage table"] * len(found), found
         assert db.check() == []
-        step = committed_step(db)
+        step, losses = committed(db)
         known = reference.at(step)
+        np.testing.assert_allclose(losses, reference.losses[: len(losses)], rtol=1e-12)
         for name in db.tensors():
             value = db.tensor(name).numpy()
             if name in ("T", "C", "D") or re.fullmatch(r"N\d+", name):
@@ -233,23 +246,24 @@ def check_file(path: Path, reference: Reference) -> tuple[int, int]:
         return step, len(found)
 
 
-def committed_step(db: tra_sql.Session) -> int:
-    """The run's committed step (0 before it started), which its log agrees with."""
+def committed(db: tra_sql.Session) -> tuple[int, list[float]]:
+    """The run's committed step (0 before it started) and its logged losses, which agree."""
     tables = {t for (t,) in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
-    row = db.con.execute("SELECT step, epoch FROM tra_runs WHERE run = 'fit'").fetchall() \
+    row = db.con.execute("SELECT step, epoch, batch FROM tra_runs WHERE run = 'fit'").fetchall() \
         if "tra_runs" in tables else []
     if not row:
-        return 0
-    step, epoch = row[0]
-    logged = db.con.execute("SELECT count(*), coalesce(max(step), 0) FROM tra_run_log WHERE run = 'fit'").fetchall()
-    assert step == epoch and logged == [(epoch, epoch)]
-    return step
+        return 0, []
+    step, epoch, batch = row[0]
+    log = db.con.execute("SELECT epoch, step, loss FROM tra_run_log WHERE run = 'fit' ORDER BY epoch").fetchall()
+    assert step == epoch * BATCHES + batch and [(e, s) for e, s, _ in log] == [
+        (e, (e + 1) * BATCHES) for e in range(epoch)]
+    return step, [loss for _, _, loss in log]
 
 
 def crash_loop(tmp_path: Path, kills: int, seed: int) -> list[tuple[int, int]]:
     """Workers (half of them staging steps in temp tables) killed at random moments, ``kills``
     times, the file checked after each kill (but now and then left for the next worker to
-    recover); then a worker that trains a few more steps and finishes, with the weights of the
+    recover); then a worker that trains two more epochs and finishes, with the weights of the
     uninterrupted run. Per kill: (the step committed, staging tables left), (-1, 0) if the
     file was not checked."""
     rng = random.Random(seed)
@@ -260,12 +274,12 @@ def crash_loop(tmp_path: Path, kills: int, seed: int) -> list[tuple[int, int]]:
             delay = rng.uniform(0, 0.3) if rng.random() < 0.25 else rng.uniform(0.3, 1.5)
             assert zygote_.run(path, ENDLESS, delay, staged=rng.random() < 0.5), "a worker finished an endless run"
             seen.append(check_file(path, reference) if rng.random() < 0.8 else (-1, 0))
-        last = check_file(path, reference)[0] + 3
+        last = check_file(path, reference)[0] // BATCHES + 2
         assert not zygote_.run(path, last, None)
+        assert check_file(path, reference) == (last * BATCHES, 0)
     finally:
         zygote_.close()
         reference.db.close()
-    assert check_file(path, reference) == (last, 0)
     return seen
 
 
