@@ -82,6 +82,9 @@ class Program:
     def __repr__(self) -> str:
         return f"Program(outputs={self.outputs}):\n{self.source()}"
 
+    def _repr_pretty_(self, printer, cycle) -> None:  # how hypothesis shows a drawn program
+        printer.text(repr(self))
+
     def build(self, db, namespace: dict | None = None) -> dict:
         """Execute the program's source against session ``db``; the namespace it leaves."""
         env = {"db": db, "np": np, "torch": torch, **(namespace or {})}
@@ -227,14 +230,17 @@ class Builder:
         return tuple(self.draw(st.integers(1, n)) for n in shape)
 
     # leaves
-    def leaf(self, shape=None, dtype=None, absent=None, positive=False) -> Var:
-        """A stored tensor of random values (both signs), ragged tiles, maybe some tiles deleted."""
+    def leaf(self, shape=None, dtype=None, absent=None, positive=False, data=None) -> Var:
+        """A stored tensor of random values (both signs; ``data``: a NumPy expression instead),
+        ragged tiles, maybe some tiles deleted."""
         draw = self.draw
         shape = self.shape() if shape is None else shape
         dtype = draw(st.sampled_from(self.dtypes)) if dtype is None else dtype
         tile = self.tile(shape)
         seed = self.seed + len(self.program.steps)
-        if dtype in INTS:
+        if data is not None:
+            pass
+        elif dtype in INTS:
             data = f"np.random.default_rng({seed}).integers(-3, 4, {shape!r}).astype({dtype!r})"
         elif positive:
             data = f"np.random.default_rng({seed}).uniform(0.5, 1.5, {shape!r}).astype({dtype!r})"
@@ -316,14 +322,24 @@ class Builder:
             spec = ",".join(inputs) + "->" + output
         expr = draw(exprs(len(operands))) if (draw(st.booleans()) if join is None else join) else None
         agg = draw(st.sampled_from(AGGS)) if agg is None else agg
+        return self.einsum_of(spec, operands, inputs, output, expr, agg)
+
+    def einsum_of(self, spec: str, operands: list[Var], inputs=None, output=None, expr: Expr | None = None,
+                  agg: str = "sum") -> Var:
+        """``db.einsum(spec, *operands, join=expr, agg=agg)`` (``inputs``, ``output``: the spec's
+        subscripts, given for an implicit output)."""
+        if inputs is None:
+            inputs, output = spec.split("->")[0].split(","), spec.split("->")[1]
+        sizes = {c: max(n for sub, op in zip(inputs, operands) for ch, n in zip(sub, op.shape) if ch == c)
+                 for c in output}
         dtype = result_dtype([op.dtype for op in operands], expr)
+        layout = "csr" if any(op.layout == "csr" and sub == output for sub, op in zip(inputs, operands)) else "dense"
         name = self.fresh("E")
         args = ", ".join(op.name for op in operands)
         extra = (f", join={expr.sql()!r}" if expr else "") + (f", agg={agg!r}" if agg != "sum" else "")
         code = f'{name} = db.einsum("{spec}", {args}{extra})'
-        shape = tuple(sizes[c] for c in output)
         names = [op.name for op in operands]
-        return self.add(Var(name, shape, dtype), code,
+        return self.add(Var(name, tuple(sizes[c] for c in output), dtype, layout), code,
                         lambda env: einsum_ref(inputs, output, [env[n] for n in names], expr, agg))
 
     def keyed_sum(self) -> Var:
@@ -401,13 +417,150 @@ class Builder:
         return self.add(Var(name, shape, x.dtype), f"{name} = {x.name}.reshape({', '.join(map(str, shown))})",
                         lambda env: env[x.name].reshape(shape))
 
-    def op(self) -> Var:
-        kind = self.draw(st.sampled_from(["einsum"] * 4 + ["add", "retile", "slice", "concat", "transpose", "reshape"]))
+    def op(self, layers: bool = False) -> Var:
+        kinds = ["einsum"] * 4 + ["add", "retile", "slice", "concat", "transpose", "reshape"] + ["layer"] * 2 * layers
+        kind = self.draw(st.sampled_from(kinds))
         return getattr(self, {"add": "keyed_sum"}.get(kind, kind))()
+
+    # tra_sql.nn layers
+    def layer(self) -> Var:
+        x = self.operand(floating=True)
+        if not x.shape:
+            x = self.leaf(self.shape(self.draw(st.integers(1, 3))), self.draw(st.sampled_from(FLOATS)))
+        kind = self.draw(st.sampled_from(["linear", "softmax", "log_softmax", "layer_norm", "rms_norm", "attention"]))
+        if kind == "attention":
+            return self.attention(x)
+        return getattr(self, kind if kind in ("linear", "attention") else "normalize")(x, kind)
+
+    def weight(self, shape, dtype) -> Var:
+        return self.leaf(shape, dtype, absent=False)
+
+    def linear(self, x: Var, kind: str) -> Var:
+        width = self.draw(st.integers(1, 4))
+        w = self.weight((x.shape[-1], width), x.dtype)
+        b = self.weight((width,), x.dtype) if self.draw(st.booleans()) else None
+        act = self.draw(st.sampled_from([None, "relu", "gelu", "tanh", "sigmoid", "silu"]))
+        name = self.fresh("L")
+        code = f"{name} = nn.linear(db, {x.name}, {w.name}, {b.name if b else None}, {act!r})"
+
+        def ref(env):
+            y = env[x.name] @ env[w.name] + (env[b.name] if b else 0)
+            return ACTIVATIONS[act](y) if act else y
+
+        return self.add(Var(name, x.shape[:-1] + (width,), x.dtype), code, ref)
+
+    def normalize(self, x: Var, kind: str) -> Var:
+        n = x.shape[-1]
+        extra, name = "", self.fresh("N")
+        gain = self.weight((n,), x.dtype) if kind in ("layer_norm", "rms_norm") and self.draw(st.booleans()) else None
+        bias = self.weight((n,), x.dtype) if kind == "layer_norm" and self.draw(st.booleans()) else None
+        mask = scale = None
+        if kind in ("softmax", "log_softmax"):
+            scale = self.draw(st.sampled_from([1.0, 0.5, 2.0]))
+            if self.draw(st.booleans()):
+                shape = x.shape[len(x.shape) - self.draw(st.integers(1, len(x.shape))):]
+                data = (f"np.maximum(np.random.default_rng({self.seed + len(self.program.steps)}).uniform(0, 1, "
+                        f"{shape!r}) > 0.4, np.arange({n}) == 0).astype({x.dtype!r})")  # a 1 in every row
+                mask = self.leaf(shape, x.dtype, absent=False, data=data)
+            extra = (f", mask={mask.name}" if mask else "") + f", scale={scale!r}"
+        elif gain or bias:
+            extra = f", {gain.name if gain else None}" + (f", {bias.name}" if bias else "")
+        code = f"{name} = nn.{kind}(db, {x.name}{extra})"
+
+        def ref(env):
+            v = env[x.name]
+            if kind in ("softmax", "log_softmax"):
+                logit = v * scale
+                if mask:
+                    logit = torch.where(env[mask.name] > 0, logit, torch.tensor(-math.inf, dtype=torch.float64))
+                return torch.softmax(logit, -1) if kind == "softmax" else torch.log_softmax(logit, -1)
+            g = env[gain.name] if gain else None
+            if kind == "layer_norm":
+                return torch.nn.functional.layer_norm(v, (n,), g, env[bias.name] if bias else None, eps=1e-5)
+            y = v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6)
+            return y * g if gain else y
+
+        return self.add(Var(name, x.shape, x.dtype), code, ref)
+
+    def attention(self, x: Var) -> Var:
+        """Multi-head self-attention of ``x`` (..., q, d), maybe causal, maybe with biases."""
+        if len(x.shape) < 2:
+            x = self.reshaped(x)
+        d, heads, dk, dv, out = x.shape[-1], *(self.draw(st.integers(1, 3)) for _ in range(4))
+        w = {k: self.weight(shape, x.dtype) for k, shape in
+             (("Wq", (d, heads, dk)), ("Wk", (d, heads, dk)), ("Wv", (d, heads, dv)), ("Wo", (heads, dv, out)))}
+        if self.draw(st.booleans()):
+            w |= {k: self.weight(shape, x.dtype) for k, shape in
+                  (("bq", (heads, dk)), ("bk", (heads, dk)), ("bv", (heads, dv)), ("bo", (out,)))}
+        causal = self.draw(st.booleans())
+        name = self.fresh("M")
+        args = ", ".join(f"{k}={v.name}" for k, v in w.items())
+        code = f"{name} = nn.attention(db, {x.name}, nn.AttentionWeights({args}), causal={causal})"
+
+        def ref(env):
+            v = {k: env[var.name] for k, var in w.items()}
+            xs = env[x.name]
+            zero = torch.zeros((), dtype=torch.float64)
+            q = torch.einsum("...qd,dhk->...qhk", xs, v["Wq"]) + v.get("bq", zero)
+            k = torch.einsum("...sd,dhk->...shk", xs, v["Wk"]) + v.get("bk", zero)
+            val = torch.einsum("...sd,dhv->...shv", xs, v["Wv"]) + v.get("bv", zero)
+            scores = torch.einsum("...qhk,...shk->...hqs", q, k) / math.sqrt(dk)
+            if causal:
+                keep = torch.tril(torch.ones(scores.shape[-2:], dtype=torch.bool))
+                scores = torch.where(keep, scores, torch.tensor(-math.inf, dtype=torch.float64))
+            heads_ = torch.einsum("...hqs,...shv->...qhv", torch.softmax(scores, -1), val)
+            return torch.einsum("...qhv,hve->...qe", heads_, v["Wo"]) + v.get("bo", zero)
+
+        return self.add(Var(name, x.shape[:-1] + (out,), x.dtype), code, ref)
+
+    def reshaped(self, x: Var) -> Var:
+        """``x`` as a matrix (one row per element)."""
+        name = self.fresh("H")
+        shape = (math.prod(x.shape), 1)
+        return self.add(Var(name, shape, x.dtype), f"{name} = {x.name}.reshape{shape!r}",
+                        lambda env: env[x.name].reshape(shape))
+
+    # gradients
+    def grads(self, out: Var) -> list[Var]:
+        """A random scalar loss of ``out`` and its gradients with respect to stored float tensors."""
+        letters = LETTERS[: len(out.shape)]
+        expr = self.draw(st.none() | exprs(1))
+        agg = self.draw(st.sampled_from(["sum", "sum", "max"]))
+        loss = self.einsum_of(f"{letters}->", [out], expr=expr, agg=agg)
+        return self.grads_of(loss, [v for v in self.pool if v.stored and v.floating])
+
+    def grads_of(self, loss: Var, candidates: list[Var]) -> list[Var]:
+        """``dA, dB, = db.grad(loss, [A, B])`` for some of ``candidates``."""
+        wrt = self.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique_by=lambda v: v.name))
+        names = [f"d{v.name}" for v in wrt]
+        code = f"{', '.join(names)}, = db.grad({loss.name}, [{', '.join(v.name for v in wrt)}])"
+        for n, (name, v) in enumerate(zip(names, wrt)):
+            ref = (lambda env: _gradients(env, loss.name, [w.name for w in wrt])) if n == 0 \
+                else (lambda env, n=n: env[names[0] + "__all"][n])
+            self.program.steps.append(Step(Var(name, v.shape, v.dtype, stored=False, complete=v.complete),
+                                           code if n == 0 else "", ref))
+        self.program.outputs = [loss.name, *names]
+        return [self.program.var(name) for name in names]
 
     def finish(self, out: Var) -> Program:
         self.program.outputs = [out.name]
         return self.program
+
+
+ACTIVATIONS = {
+    "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
+    "gelu": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
+}
+
+
+def _gradients(env: dict, loss: str, wrt: list[str]) -> torch.Tensor:
+    """The gradient of ``loss`` with respect to the first of ``wrt`` (all of them kept in
+    ``env['d<first>__all']``); zeros for a tensor the loss does not use."""
+    params = [env["__params__"][name] for name in wrt]
+    grads = torch.autograd.grad(env[loss], params, allow_unused=True, retain_graph=True) \
+        if env[loss].requires_grad else [None] * len(params)
+    env[f"d{wrt[0]}__all"] = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+    return env[f"d{wrt[0]}__all"][0]
 
 
 def _factors(n: int) -> list[int]:
@@ -429,6 +582,70 @@ def programs(draw, dtypes=FLOATS + INTS, absent: bool = True, ops: tuple[int, in
     out = None
     for _ in range(draw(st.integers(*ops))):
         out = b.op()
+    return b.finish(out)
+
+
+@st.composite
+def layer_programs(draw) -> Program:
+    """tra_sql.nn layers (and einsums) over float tensors, absent tiles included."""
+    b = Builder(draw, FLOATS)
+    b.leaf(b.shape(draw(st.integers(1, 3))))
+    out = b.layer()
+    for _ in range(draw(st.integers(0, 2))):
+        out = b.op(layers=True)
+    return b.finish(out)
+
+
+@st.composite
+def grad_programs(draw) -> Program:
+    """A program over stored tensors (mostly float64), a random scalar loss of its result and
+    the loss's gradients with respect to some of the stored tensors."""
+    b = Builder(draw, ("float64", "float64", "float64", "float32", "int32"))
+    for _ in range(draw(st.integers(1, 2))):
+        b.leaf(dtype=draw(st.sampled_from(["float64", "float64", "float32"])))
+    out = None
+    for _ in range(draw(st.integers(1, 3))):
+        out = b.op(layers=True)
+    b.grads(out)
+    return b.program
+
+
+@st.composite
+def csr_programs(draw) -> Program:
+    """Products with a CSR relation (a table of unique entries viewed with layout='csr'): message
+    passing both ways, row/column sums, sampled products with a CSR result, gradients."""
+    b = Builder(draw, FLOATS)
+    n, m = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    cells = sorted(draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, m - 1)), min_size=1)))
+    values = [draw(st.sampled_from([0.5, -1.25, 2.0, -0.75, 1.5])) for _ in cells]
+    dtype = draw(st.sampled_from(FLOATS))
+    tile = draw(st.none() | st.tuples(st.integers(1, n), st.integers(1, m)))
+    rows = ", ".join(f"({r}, {c}, {v})" for (r, c), v in zip(cells, values))
+    code = (f'db.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES {rows}) AS t(r, c, v)")\n'
+            f'R = db.relation("E", ("r", "c"), "v", ({n}, {m}), name="R", dtype={dtype!r}, tile={tile!r}, '
+            f'layout="csr")')
+    if draw(st.booleans()):
+        code += '\nR = R.store("RS")'
+    dense = np.zeros((n, m))
+    for (r, c), v in zip(cells, values):
+        dense[r, c] = v
+
+    def ref(env):
+        value = torch.tensor(dense, requires_grad=True)
+        env["__params__"]["R"] = value
+        return value
+
+    csr = b.add(Var("R", (n, m), dtype, "csr", stored=True), code, ref)
+    f = draw(st.integers(1, 3))
+    spec, others = draw(st.sampled_from([
+        ("vu,uf->vf", [(m, f)]), ("vu,vf->uf", [(n, f)]), ("ui,uk,ik->ui", [(n, f), (m, f)]),
+        ("vu->v", []), ("vu->u", []), ("vu->", []), ("vu->uv", [])]))
+    operands = [csr, *(b.leaf(shape, draw(st.sampled_from(FLOATS))) for shape in others)]
+    out = b.einsum_of(spec, operands)
+    if others and draw(st.booleans()):
+        loss = b.einsum_of(f"{LETTERS[:len(out.shape)]}->", [out])
+        b.grads_of(loss, [v for v in b.pool if v.stored and v.layout == "dense"])
+        return b.program
     return b.finish(out)
 
 

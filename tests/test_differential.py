@@ -6,12 +6,25 @@ path that disagreed; ``HYPOTHESIS_PROFILE=long pytest -m fuzz`` runs the long pr
 
 from __future__ import annotations
 
+import os
+import shutil
 import traceback
 
 import numpy as np
 import pytest
 import torch
-from diffgen import COUNTS, FLOATS, Program, Step, Var, einsum_programs, programs
+from diffgen import (
+    COUNTS,
+    FLOATS,
+    Program,
+    Step,
+    Var,
+    csr_programs,
+    einsum_programs,
+    grad_programs,
+    layer_programs,
+    programs,
+)
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -72,6 +85,22 @@ def references(program: Program) -> dict[str, np.ndarray]:
     return out
 
 
+def known_bug(program: Program, output: str, path: str) -> str | None:
+    """The xfail test of the known bug that ``path`` of ``output`` runs into, if any (each is
+    a strict xfail below: when it turns red, the bug is fixed and its entry here goes)."""
+    if "db.plan(" not in path:
+        return None
+    var = program.var(output)
+    if output.startswith("d") and not var.complete:
+        return "test_gradient_of_a_tensor_with_absent_tiles_under_a_plan"
+    contraction = any('db.einsum("' in s.code and "," in s.code.split('"')[1] for s in program.steps)
+    if contraction and any(not s.var.complete for s in program.steps):
+        return "test_banded_contraction_of_a_tensor_with_absent_tiles"
+    if any(s.var.layout == "csr" for s in program.steps) and any(m in path for m in TIGHT):
+        return "test_a_staged_plan_of_a_csr_product"
+    return None
+
+
 def run_paths(program: Program, db, paths: list[str], namespace: dict | None = None) -> None:
     """Build ``program`` in ``db``, run each path (statements assigning ``got``, ``{v}`` the
     output) on every output and compare with the reference; one assertion listing every
@@ -86,6 +115,9 @@ def run_paths(program: Program, db, paths: list[str], namespace: dict | None = N
         var = program.var(name)
         for path in paths:
             code = path.replace("{v}", name)
+            if known_bug(program, name, code):
+                COUNTS["known bugs skipped"] += 1
+                continue
             try:
                 exec(code, env)  # noqa: S102
             except Exception as err:  # noqa: BLE001 - every engine error is a finding, but the documented refusal
@@ -96,6 +128,9 @@ def run_paths(program: Program, db, paths: list[str], namespace: dict | None = N
                 continue
             COUNTS["paths"] += 1
             why = disagreement(env["got"], wants[name], var.dtype, tolerance(program, var.dtype))
+            if why and name.startswith("d") and var.dtype == "float32" and np.asarray(env["got"]).dtype == np.float64:
+                why = disagreement(env["got"], wants[name], "float64", tolerance(program, var.dtype))
+                COUNTS["known bugs skipped"] += why is None  # test_gradient_of_a_float32_tensor_is_float32
             if why:
                 failures.append((code, why))
     if failures:
@@ -164,6 +199,62 @@ def test_random_programs(data):
     differential(program, data.draw(duckdb_paths(program)))
 
 
+@fuzz
+@scaled(20)
+@given(st.data())
+def test_random_nn_layers(data):
+    """tra_sql.nn layers (linear, softmax with masks, norms, attention) inside random programs."""
+    program = data.draw(layer_programs())
+    differential(program, data.draw(duckdb_paths(program)))
+
+
+@fuzz
+@scaled(15)
+@given(st.data())
+def test_random_gradients_against_torch_autograd(data):
+    """db.grad of a random scalar loss of a random program, against torch.autograd."""
+    program = data.draw(grad_programs())
+    differential(program, data.draw(duckdb_paths(program)))
+
+
+@fuzz
+@scaled(20)
+@given(st.data())
+def test_random_csr_products(data):
+    """CSR relations in products (message passing, sums, sampled products) and their gradients."""
+    program = data.draw(csr_programs())
+    differential(program, data.draw(duckdb_paths(program)))
+
+
+# -- Spark --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory):
+    pytest.importorskip("pyspark", reason="the Spark sample needs pyspark")
+    if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+        pytest.skip("the Spark sample needs Java")
+    db = tra_sql.connect(str(tmp_path_factory.mktemp("warehouse")), engine="spark", master="local[2]",
+                         driver_memory="1g", config={"spark.sql.shuffle.partitions": "2"})
+    yield db
+    db.close()
+
+
+@fuzz
+@scaled(4)
+@given(data=st.data())
+def test_random_programs_on_spark(spark, data):
+    """A small sample of random programs (no absent tiles: they are deleted in DuckDB SQL) on
+    Spark local[2]: numpy(), arrow() and store()."""
+    program = data.draw(programs(absent=False, ops=(1, 3)))
+    paths = ["got = {v}.numpy(plan=False)", "got = dense({v}, {v}.arrow())",
+             'got = {v}.store("{v}_stored").numpy(plan=False)']
+    try:
+        run_paths(program, spark, paths)
+    finally:
+        for name in spark.tensors():
+            spark.drop(name)
+
+
 # -- fusion switches ----------------------------------------------------------------------------------
 
 def _fusion_case(db, name: str):
@@ -208,6 +299,62 @@ def test_a_switched_off_fusion_changes_the_sql_not_the_numbers(name):
 def test_fusions_refuses_unknown_names_and_both_ways_of_aggregating(off):
     with pytest.raises(ValueError, match="fusions"), sqlgen.fusions(off=off):
         pass
+
+
+# -- known bugs (strict xfails: each turns red when its bug is fixed; then drop it from known_bug) ----
+
+@pytest.mark.xfail(strict=True, reason="bug: a gradient with respect to a tensor with absent tiles keeps its "
+                   "tiles by an inner join on that tensor; a plan re-tiles it (here to the reshape's whole rows), "
+                   "so the gradient appears at absent elements")
+def test_gradient_of_a_tensor_with_absent_tiles_under_a_plan(db):
+    A = db.from_numpy("A", np.ones((2, 5)), tile=(1, 3))
+    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0')
+    (dA,) = db.grad(db.einsum("a->", A.reshape(10)), [A])
+    want = np.array([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=float)
+    np.testing.assert_array_equal(dA.numpy(plan=False), want)
+    np.testing.assert_array_equal(dA.numpy(plan=db.plan(dA, workers=1, memory="1GB")), want)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the banded (staged) execution of a contraction whose operand lacks "
+                   "a tile gives wrong sums (execute.run_staged)")
+def test_banded_contraction_of_a_tensor_with_absent_tiles(db):
+    a = np.arange(1.0, 9.0).reshape(2, 2, 2)
+    A = db.from_numpy("A", a, tile=(1, 1, 1))
+    B = db.from_numpy("B", a[:, 0, :], tile=(1, 1))
+    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0 AND k2 = 0')
+    db.con.execute('DELETE FROM "B" WHERE k0 = 0 AND k1 = 0')
+    a[0, 0, 0] = 0
+    E = db.einsum("ab,acb->bc", B, A)
+    plan = db.plan(E, workers=1, memory="1MB")
+    assert plan.staged
+    np.testing.assert_array_equal(E.numpy(plan=plan), np.einsum("ab,acb->bc", a[:, 0, :], a))
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a staged plan of a CSR product re-tiles the CSR relation, which "
+                   "raises ShapeError ('needs dense tiles'); the plan should keep a CSR operand's tiling")
+def test_a_staged_plan_of_a_csr_product(db):
+    db.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES (0, 0, 0.5)) AS t(r, c, v)")
+    R = db.relation("E", ("r", "c"), "v", (1, 2), name="R", layout="csr")
+    h = np.arange(4.0).reshape(2, 2)
+    E = db.einsum("vu,uf->vf", R, db.from_numpy("H", h, tile=(1, 1)))
+    np.testing.assert_array_equal(E.numpy(plan=db.plan(E, workers=1, memory="4KB")), 0.5 * h[:1])
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the gradient with respect to a float32 tensor is float64 when the "
+                   "loss is float64 (PyTorch gives a gradient the parameter's dtype)")
+def test_gradient_of_a_float32_tensor_is_float32(db):
+    W = db.from_numpy("W", np.ones((2, 2), dtype=np.float32))
+    (dW,) = db.grad(db.einsum("ij,ij->", W, db.from_numpy("X", np.ones((2, 2)))), [W])
+    assert dW.dtype == np.float32
+
+
+@pytest.mark.xfail(strict=True, reason="bug: Tensor.arrow(plan=p) returns the tiles in the plan's tiling, not "
+                   "the tensor's (T.tile), so they do not assemble as T; numpy(plan=p) and store(plan=p) are right")
+def test_arrow_under_a_plan_is_tiled_as_the_tensor(db):
+    E = db.einsum("a->a", db.full((2,), 2.5, tile=(1,)))
+    tiles = E.arrow(plan=db.plan(E, workers=1, memory="4KB"))
+    got = tra_sql.catalog.assemble(tra_sql.catalog.TensorInfo("E", E.dtype, E.shape, E.tile), tiles)
+    np.testing.assert_array_equal(got, [2.5, 2.5])
 
 
 # -- the harness itself ---------------------------------------------------------------------------
