@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tra_sql
+import tra_sql.optim
 from tra_sql import CatalogDriftError, CorruptTileError, UnknownTensorError
 
 A = np.arange(16.0).reshape(4, 4)
@@ -109,6 +110,26 @@ def test_lazy_sql_reads_corrupt_tiles_as_an_engine_error():
         relation = db.sql("SELECT * FROM einsum('ij,jk->ik', A, B)")
         with pytest.raises(Exception, match=r"CorruptTileError: tile \(1, 0\) of tensor 'A' holds 5 bytes"):
             relation.fetchall()
+
+
+@pytest.mark.parametrize("sql, error, message", [
+    ('ALTER TABLE "W" ADD COLUMN note VARCHAR', CatalogDriftError, r"'W'.*'note'"),
+    ('DROP TABLE "W"', CatalogDriftError, r"'W'.*table is gone"),
+    ('INSERT INTO "W" SELECT * FROM "W"', CorruptTileError, r"'W'.*tile \(0, 0\) is stored 2 times"),
+    ('UPDATE "W" SET tile = NULL', CorruptTileError, r"'W'.*tile \(0, 0\) is NULL"),
+    ('UPDATE "X" SET k0 = 5', CorruptTileError, r"'X'.*tile \(5, 0\) is outside the grid"),
+])
+def test_training_over_a_drifted_table_stops_before_its_first_step(db, sql, error, message):
+    """The tensors a run reads are looked up again when it starts: a duplicated weight tile was
+    trained twice (and the table doubled), a column added failed in the commit as DuckDB's
+    error, a dropped table as DuckDB's error from the step."""
+    x = db.from_numpy("X", np.ones((4, 3)))
+    W = db.parameter("W", init=np.ones((3, 2)))
+    loss = db.einsum("ni,ij->", x, W)
+    db.con.execute(sql).fetchall()
+    with pytest.raises(error, match=message):
+        db.train(loss, [W], tra_sql.optim.SGD(lr=0.1), 2, progress=False)
+    assert db.con.execute("SELECT count(*) FROM tra_run_log").fetchall() == [(0,)]
 
 
 def test_a_whole_database_checks_clean(db, rng):

@@ -184,7 +184,9 @@ class Finding:
 
     @property
     def message(self) -> str:
-        return f"tensor '{self.tensor}': {self.detail} (db.check() lists every problem)"
+        hint = "db.check(repair=True) removes its catalog row" if self.problem == "no table" else \
+            "db.check() lists every problem"
+        return f"tensor '{self.tensor}': {self.detail} ({hint})"
 
 
 def row_problem(dtype, shape, tile, layout) -> str | None:
@@ -341,8 +343,7 @@ def verify(con: duckdb.DuckDBPyConnection, info: TensorInfo) -> None:
     Tile sizes are checked where tiles are read (kernels, ``assemble``); ``check`` reads all."""
     finding, kind = structure_finding(con, info)
     if finding:
-        hint = "; db.check(repair=True) removes its catalog row" if finding.problem == "no table" else ""
-        raise CatalogDriftError(finding.message + hint)
+        raise CatalogDriftError(finding.message)
     if kind == "TABLE" and _rows_suspect(con, info):
         raise CorruptTileError(tile_findings(con, info, tiles=False)[0].message)
 

@@ -32,6 +32,7 @@ from sqlglot import exp
 from tqdm.auto import tqdm
 
 from tra_sql import autodiff, catalog, graph, relations
+from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Fill, Node, Source
 from tra_sql.optim import Optimizer
@@ -188,8 +189,6 @@ class FusedOutOfMemory(Exception):
 def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
     """Run a plan, after its prologue if ``prologue`` (the engine's errors become
     ``TraError``s): its ``fused`` query, whose rows it returns, or else its statements."""
-    from tra_sql.session import translate
-
     db.ensure_udfs(p.udfs)
     for table, sql in (p.prologue if prologue else []) + p.statements:
         try:
@@ -357,6 +356,7 @@ class Trainer:
             loss = self.loss_fn(batch)
             if loss.shape != ():
                 raise ShapeError(f"the loss must be a scalar, got shape {loss.shape}")
+            self.verify(loss)
             grads = autodiff.grad(self.db, loss, self.params)
             roots: dict[str, Node] = {"loss": loss.node}
             for name, w, g in zip(self.names, self.params, grads):
@@ -370,6 +370,14 @@ class Trainer:
                     roots[target] = graph.retile(value.node, w.tile)
             self.plans[batch] = plan(roots, self.prefix(batch), self.views(), self.fuse_bytes())
         return self.plans[batch]
+
+    def verify(self, loss: Tensor) -> None:
+        """Look up every stored tensor ``loss`` reads and every parameter by name, so that a
+        table altered or corrupted since they were made raises its ``TraError`` now (a
+        duplicated weight tile would otherwise be trained twice)."""
+        tables = {n.table for n in graph.topological(loss.node) if isinstance(n, Source)} | set(self.names)
+        for table in sorted(tables):
+            self.db.tensor(table)
 
     def prefix(self, batch: int) -> str:
         """How batch ``batch``'s staging tables begin."""
@@ -454,8 +462,10 @@ class Trainer:
             if log is not None:
                 con.execute(f"INSERT INTO {LOG} VALUES (?, ?, ?, ?, ?)", [self.run] + log).fetchall()
             con.execute("COMMIT").fetchall()
-        except BaseException:
+        except BaseException as err:
             con.execute("ROLLBACK").fetchall()
+            if isinstance(err, duckdb.Error):
+                raise translate(err, f"committing a step of run '{self.run}'") from None
             raise
         finally:
             if staged is not None:
