@@ -173,7 +173,7 @@ def dp(model: Model, starts: list[list[int]] = (), max_passes: int = 8) -> tuple
                 stall += 1
                 if stall >= rotations:
                     break
-        if cur_cost < best_cost:
+        if best is None or cur_cost < best_cost:  # a DAG where nothing fits still gets a plan, as a tree does
             best, best_cost = cur, cur_cost
     return best, stats
 
