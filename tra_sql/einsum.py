@@ -38,6 +38,8 @@ def parse_spec(spec: str, n_operands: int, ranks: list[int] | None = None) -> Ei
     if not isinstance(spec, str):
         raise SpecError(f"einsum spec must be a string, got {type(spec).__name__}")
     text = spec.replace(" ", "")
+    if text.count("->") != spec.count("->") or text.count("...") != spec.count("..."):
+        raise SpecError(f"einsum spec {spec!r}: a space inside '->' or '...'")
     lhs, arrow, rhs = text.partition("->")
     if "->" in rhs or "-" in lhs or ">" in lhs:
         raise SpecError(f"einsum spec {spec!r} is malformed: use 'ij,jk->ik'")
@@ -55,6 +57,9 @@ def parse_spec(spec: str, n_operands: int, ranks: list[int] | None = None) -> Ei
     if arrow:
         if "..." in rhs and not ellipsis and "..." not in lhs:
             raise SpecError(f"einsum spec {spec!r}: output '...' but no input has one")
+        if ellipsis and "..." not in rhs:  # numpy.einsum's rule: '...' is not summed away
+            raise SpecError(f"einsum spec {spec!r}: the output needs '...' for the {len(ellipsis)} "
+                            f"dimension(s) the inputs' '...' stand for")
         output = rhs.replace("...", ellipsis)
         if len(set(output)) != len(output):
             raise SpecError(f"einsum spec {spec!r}: an output index appears twice")
@@ -98,6 +103,10 @@ def broadcast(spec: EinsumSpec, shapes: list[tuple[int, ...]], names: list[str])
             raise ShapeError(f"einsum {spec}: operand '{name}' has rank {len(shape)} "
                              f"but its subscript {sub!r} has {len(sub)} indices")
         for ch, n in zip(sub, shape):
+            inside = {m for c, m in zip(sub, shape) if c == ch}
+            if len(inside) > 1:  # a diagonal: numpy.einsum does not broadcast inside one operand
+                raise ShapeError(f"einsum {spec}: operand '{name}' repeats index {ch!r} over sizes "
+                                 f"{sorted(inside)}")
             known = sizes.get(ch, 1)
             if known == 1:
                 sizes[ch], where[ch] = n, name

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+import numpy as np
 import sqlglot
 from sqlglot import exp
 
@@ -29,9 +30,8 @@ UNARY = {
     exp.Tanh: "np.tanh({})",
     exp.Sin: "np.sin({})",
     exp.Cos: "np.cos({})",
-    exp.Floor: "np.floor({})",
-    exp.Ceil: "np.ceil({})",
-    exp.Sign: "np.sign({})",
+    exp.Floor: "np.floor(np.float64({}))",  # a DOUBLE, as in DuckDB, for integers too
+    exp.Ceil: "np.ceil(np.float64({}))",
     exp.Neg: "(-{})",
     exp.Not: "({} == 0)",
     exp.Paren: "({})",
@@ -42,8 +42,8 @@ BINARY = {
     exp.Mul: "({} * {})",
     exp.Div: "np.divide({}, {})",
     exp.IntDiv: "np.trunc(np.divide({}, {}))",
-    exp.Mod: "np.fmod(float({}), float({}))",  # Numba's integer fmod floors
-    exp.Pow: "np.power(float({}), {})",
+    exp.Mod: "np.fmod(np.float64({}), np.float64({}))",  # Numba's integer fmod floors
+    exp.Pow: "np.power(np.float64({}), {})",
     exp.And: "(({} != 0) and ({} != 0))",
     exp.Or: "(({} != 0) or ({} != 0))",
 }
@@ -57,12 +57,14 @@ COMPARE = {
     exp.GTE: "{0} >= {1} or {0} != {0}",
 }
 ROUND = "{0} if abs({0}) >= 4503599627370496.0 else np.copysign(np.floor(abs({0}) + 0.5), {0})"  # 2^52: integral
+SIGN = "1 if {0} > 0 else (-1 if {0} < 0 else 0)"  # DuckDB's: an integer, 0 for -0.0 and NaN
 ANONYMOUS = {
     "sigmoid": (1, "(1.0 / (1.0 + np.exp(-{})))"),
     "relu": (1, "np.maximum({}, 0.0)"),
     "erf": (1, "math.erf({})"),
 }
-FLOAT_TYPES = {"DOUBLE": "float", "FLOAT": "np.float32", "REAL": "np.float32"}
+# np.float64, not float(): Numba's float() keeps a float32 a float32
+FLOAT_TYPES = {"DOUBLE": "np.float64({})", "FLOAT": "np.float64(np.float32({}))", "REAL": "np.float64(np.float32({}))"}
 FUNCTION_NAMES = sorted(
     ["exp", "ln", "log", "sqrt", "pow", "power", "abs", "tanh", "sin", "cos", "floor", "ceil",
      "sign", "round", "greatest", "least", "pi", "cast"] + list(ANONYMOUS)
@@ -103,11 +105,11 @@ def _once(template: str, *args: str) -> str:
 
 
 def _number(text: str) -> str:
-    if any(c in text for c in ".eE"):
-        value = float(text)
-        return "math.inf" if value == float("inf") else repr(value)
-    value = int(text)
-    return str(value) if -INT64 <= value < INT64 else _number(f"{value}.0")
+    """A numeric literal as Python: an int64, else a float (``inf`` past float64's range)."""
+    if not any(c in text for c in ".eE") and -INT64 <= int(text) < INT64:
+        return str(int(text))
+    value = float(text)
+    return "math.inf" if value == float("inf") else repr(value)
 
 
 def _translate(node: exp.Expression, n: int, text: str) -> str:
@@ -120,7 +122,10 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
     if kind is exp.Literal:
         if node.is_string:
             raise SpecError(f"join expression {text!r}: string {node.sql()} is not a number")
-        return _number(node.this)
+        try:
+            return _number(node.this)
+        except ValueError:  # sqlglot reads '1e' of '1e+-3' as a number
+            raise SpecError(f"join expression {text!r}: {node.this!r} is not a number") from None
     if kind is exp.Boolean:
         return "True" if node.this else "False"
     if kind is exp.Pi:
@@ -135,6 +140,8 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
         if node.expression is None:
             return f"np.log10({go(node.this)})"
         return f"np.divide(np.log({go(node.expression)}), np.log({go(node.this)}))"
+    if kind is exp.Sign:
+        return _once(SIGN, go(node.this))
     if kind is exp.Round:
         if node.args.get("decimals") is not None:
             raise SpecError(f"join expression {text!r}: round() takes one argument here")
@@ -174,21 +181,21 @@ def _translate(node: exp.Expression, n: int, text: str) -> str:
 
 
 def _cast(node: exp.Cast, go, text: str) -> str:
-    """``CAST(e AS DOUBLE)`` or ``AS FLOAT`` (rounded to float32, as DuckDB's FLOAT is), and
-    constants such as ``'inf'::DOUBLE``, ``'-inf'``, ``'nan'``."""
+    """``CAST(e AS DOUBLE)`` or ``AS FLOAT`` (rounded to float32, as DuckDB's FLOAT is, then
+    computed on in float64), and constants such as ``'inf'::DOUBLE``, ``'-inf'``, ``'nan'``."""
     target = node.to.this.name if hasattr(node.to.this, "name") else str(node.to.this)
     if target not in FLOAT_TYPES:
         raise SpecError(f"join expression {text!r}: only casts to DOUBLE/FLOAT are supported")
     convert, inner = FLOAT_TYPES[target], node.this
     if not (isinstance(inner, exp.Literal) and inner.is_string):
-        return f"{convert}({go(inner)})"
+        return convert.format(go(inner))
     try:
         value = float(inner.this)
     except ValueError:
         raise SpecError(f"join expression {text!r}: {inner.sql()} is not a number") from None
     if value != value or abs(value) == float("inf"):
         return "math.nan" if value != value else "math.inf" if value > 0 else "(-math.inf)"
-    return repr(value) if convert == "float" else f"{convert}({value!r})"
+    return repr(float(np.float32(value)) if target != "DOUBLE" else value)
 
 
 @lru_cache(maxsize=256)
