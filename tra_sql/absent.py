@@ -38,6 +38,16 @@ def absorbs(join: str | None, agg: str, m: int) -> bool:
     return join is None or _factor(parse_join(join), f"x{m}")
 
 
+def filters_keys(node: Einsum) -> bool:
+    """Whether ``node``'s join ignores an operand: that operand then only selects tiles (a
+    gradient kept at a relation's keys), so its tiling is part of the answer and a plan must
+    read it as written."""
+    if node.join is None:
+        return False
+    used = {c.name for c in parse_join(node.join).find_all(exp.Column) if not c.table}
+    return any(f"x{m}" not in used for m in range(len(node.operands)))
+
+
 def _factor(expr: exp.Expression, name: str) -> bool:
     """Whether ``expr`` is ``name`` times something (parentheses and negation aside)."""
     if isinstance(expr, (exp.Paren, exp.Neg)):

@@ -110,8 +110,17 @@ def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None =
         if not ctx.dense(w) and (id(w), id(g)) not in ctx.tight:  # a sparse relation: at its keys only
             idx = _letters(len(w.shape))
             g = graph.einsum(f"{idx},{idx}->{idx}", [g, w], ["gradient", w.label], join="x0")
-        out.append(graph.retile(g, w.tile))
+        out.append(_as_dtype(graph.retile(g, w.tile), w.dtype))
     return out
+
+
+def _as_dtype(g: Node, dtype: np.dtype) -> Node:
+    """``g`` in ``dtype`` (a gradient has its parameter's dtype, as in PyTorch): the kernel
+    writes its result in the node's dtype."""
+    if g.dtype == dtype:
+        return g
+    idx = _letters(len(g.shape))
+    return dataclasses.replace(graph.einsum(f"{idx}->{idx}", [g], ["gradient"], join="x0"), dtype=dtype)
 
 
 def _sum(parts: list[Node], ctx: Context) -> Node:

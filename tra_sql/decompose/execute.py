@@ -98,23 +98,24 @@ def resolve(tensor: Tensor, plan_: Plan | bool | None) -> Plan | None:
 
 
 def arrow(tensor: Tensor, plan_: Plan | None) -> pa.Table:
-    """The tensor's tile relation under ``plan_`` (as written if None)."""
+    """The tensor's tile relation under ``plan_`` (as written if None), in the tensor's tiling
+    (a plan may compute it in another)."""
     if plan_ is None:
         return tensor.session.run(tensor.program())
     root = plan_.apply()
     if not plan_.staged:
-        return tensor.session.run(Program.compile(root))
+        return tensor.session.run(Program.compile(graph.retile(root, tensor.tile)))
     table = run_staged(tensor.session, root, plan_)
     try:
-        return tensor.session.con.sql(f'SELECT * FROM "{table}"').to_arrow_table()
+        stored = Source(root.shape, root.dtype, root.tile, table, root.layout)
+        return tensor.session.run(Program.compile(graph.retile(stored, tensor.tile)))
     finally:
         if not isinstance(root, Source):
             _drop(tensor.session, [table])
 
 
 def numpy(tensor: Tensor, plan_: Plan) -> np.ndarray:
-    root = plan_.apply()
-    info = TensorInfo(tensor.name or root.label, root.dtype, root.shape, root.tile, root.layout)
+    info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
     return catalog.assemble(info, arrow(tensor, plan_))
 
 
@@ -280,23 +281,29 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
     agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     acc = None
-    complete = session.completeness()(node)
-    partial: list[str] = []  # accumulator tables of earlier bands, dropped on failure too
+    keyed = node.agg == "sum" and not session.completeness()(node)  # bands may lack tiles: add as a keyed sum
+    partial: list[str] = []  # tables of earlier bands, dropped on failure too
     try:
         for s, agg_box in enumerate(agg_boxes):
             target = table if s == len(agg_boxes) - 1 else f"{table}_a{s}"
-            if target != table:
-                partial.append(target)
-                _create(session, target, len(node.shape), temp=True)
+            into = f"{table}_b{s}" if keyed and acc is not None else target  # the band alone, then added
+            for t in {target, into} - {table}:
+                partial.append(t)
+                _create(session, t, len(node.shape), temp=True)
             shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
             band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
-            program = Program.compile(band if acc is None else _accumulate(band, acc, complete))
+            program = Program.compile(band if acc is None or into != target else _accumulate(band, acc))
             session._prepare(program)
             for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
                 ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
                 query = _restrict(program.query(), node,
                                   {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)}, shift)
-                session.con.execute(f'INSERT INTO "{target}" {query.sql(dialect="duckdb")}').fetchall()
+                session.con.execute(f'INSERT INTO "{into}" {query.sql(dialect="duckdb")}').fetchall()
+            if into != target:
+                added = Program.compile(graph.add([Source(node.shape, node.dtype, node.tile, into, node.layout), acc]))
+                session._prepare(added)
+                session.con.execute(f'INSERT INTO "{target}" {added.sql(pretty=False)}').fetchall()
+                _drop(session, [into])
             if acc is not None:
                 _drop(session, [acc.table])
             acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
@@ -332,13 +339,9 @@ def _keyed_scans(session: Session):
         con.execute(f"SET disabled_optimizers = '{before}'").fetchall()
 
 
-def _accumulate(node: Einsum, acc: Source, complete: bool) -> Node:
-    """``node`` combined with the partial result ``acc`` of the bands before: the kernel adds
-    it to each contracted tile (an epilogue of the contraction) when every band has every
-    tile (``complete``), else a keyed sum, where a tile absent from one side is zeros (sums
-    only: other aggregations read complete operands, see ``tra_sql.absent``)."""
-    if not complete and node.agg == "sum":
-        return graph.add([node, acc])
+def _accumulate(node: Einsum, acc: Source) -> Einsum:
+    """``node`` combined with the partial result ``acc`` of the bands before (the kernel adds
+    it to each contracted tile: an epilogue of the contraction); both have every tile."""
     out = node.spec.output
     return Einsum(node.shape, node.dtype, node.tile, EinsumSpec((out, out), out), (node, acc), COMBINE[node.agg], "sum")
 

@@ -15,7 +15,7 @@ from math import ceil, prod
 
 import numpy as np
 
-from tra_sql import graph
+from tra_sql import absent, graph
 from tra_sql.decompose import search
 from tra_sql.decompose.cost import (
     BAND_FILL,
@@ -227,6 +227,12 @@ def _size(n: float) -> str:
     return f"{n:.0f}B"
 
 
+def as_written(node: Einsum) -> bool:
+    """Whether a plan must run ``node`` in its own tiling: a CSR operand cannot be re-tiled,
+    and an operand the join ignores selects tiles (``absent.filters_keys``)."""
+    return any(op.layout != "dense" for op in node.operands) or absent.filters_keys(node)
+
+
 def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
     """Rebuild the DAG: each planned einsum reads its operands re-tiled to
     ``ceil(size / parts)`` per index; other nodes keep the tilings they had."""
@@ -235,7 +241,7 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
     def visit(node: Node) -> Node:
         if id(node) in memo:
             return memo[id(node)]
-        if isinstance(node, Einsum) and id(node) in parts:
+        if isinstance(node, Einsum) and id(node) in parts and not as_written(node):
             q = dict(zip(node.spec.indices, parts[id(node)]))
             tiles = {c: ceil(n / q[c]) for c, n in node.sizes.items()}
             operands = []
