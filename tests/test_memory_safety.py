@@ -38,6 +38,8 @@ def tables(db) -> list:
     "SELECT * FROM tra_from_elements((SELECT 1, 2, 1.0), shape => [100000, 100000], tile => [100000, 100000])",
     "SELECT count(*) FROM einsum('i,j->ij', tra_from_elements((SELECT 1, 1.0), shape => [4000000000]), "
     "tra_from_elements((SELECT 2, 1.0), shape => [4000000000]))",  # its product's tiles: 2^40 elements
+    "SELECT count(*) FROM einsum('i->i', tra_from_elements((SELECT 1, 2.0), shape => [4000000000], tile => [2]), "
+    "\"join\" => 'x0 + 1')",  # the zeros completing the operand: 2e9 tiles
 ])
 def test_sql_generators_refuse_what_does_not_fit(db, sql):
     with pytest.raises(MemoryBudgetError, match=r"statement 1 .* (does not fit|tile kernel)"):

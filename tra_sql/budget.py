@@ -1,14 +1,16 @@
 """Memory budgets: what a session refuses to run because it cannot hold it.
 
 Sizes follow from shapes and dtypes, so these checks raise ``MemoryBudgetError`` before
-anything is allocated, instead of the process growing until the OOM killer ends it. The
-session's budget is ``min(DuckDB's memory_limit, MemAvailable)`` (``/proc/meminfo``):
+anything is allocated, instead of the process growing until the OOM killer ends it:
 
-- **one tile**, of any step of a program that runs, must fit ``TILE_COPIES`` times: a tile
-  kernel holds its input tiles, its output tile and DuckDB's copies of them at once;
-- **a generated tensor** (``tra_random(...)`` in SQL, ``db.full/zeros/ones``) must fit
-  ``GENERATED_COPIES`` times, plus ``ROW_BYTES`` per tile: a tile function fills a whole
-  batch of tiles and DuckDB copies them into the step it materializes;
+- **one tile**, of any step of a program that runs, must fit ``TILE_COPIES`` times in the
+  session's budget, ``min(DuckDB's memory_limit, MemAvailable)``: a tile kernel holds its
+  input tiles, its output tile and DuckDB's copies of them at once;
+- **a generated tensor** (``tra_random(...)`` in SQL, ``db.full/zeros/ones``, and the constant
+  steps a program runs, such as the zeros that complete an operand lacking tiles) must fit
+  ``GENERATED_COPIES`` times, plus ``ROW_BYTES`` per tile, in the memory available
+  (MemAvailable, ``/proc/meminfo``): a Python tile function fills a batch of up to a whole
+  tensor's tiles and DuckDB copies them;
 - **a result** that ``Tensor.numpy()`` or ``Tensor.arrow()`` brings into Python must fit
   ``RESULT_COPIES`` times in MemAvailable (DuckDB's result and its Arrow or NumPy copy).
   ``arrow()`` counts every tile of a result that has them all (a result that may lack
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tra_sql.errors import MemoryBudgetError
-from tra_sql.graph import Node, topological
+from tra_sql.graph import Fill, Node, topological
 
 if TYPE_CHECKING:
     from tra_sql.tensor import Tensor
@@ -112,21 +114,28 @@ def check_tile(budget: Budget, what: str, tile, dtype) -> None:
 
 def check_generated(session, what: str, shape, tile, dtype) -> None:
     """Refuse a generated tensor (and its tile) that ``session`` cannot hold."""
-    budget = Budget.of(session)
-    check_tile(budget, what, tile, dtype)
+    check_tile(Budget.of(session), what, tile, dtype)
+    _check_constant(what, shape, tile, dtype)
+
+
+def _check_constant(what: str, shape, tile, dtype) -> None:
+    free = available()
     tiles = prod(-(-n // t) for n, t in zip(shape, tile))
     need = GENERATED_COPIES * nbytes(shape, dtype) + ROW_BYTES * tiles
-    if budget.bytes is not None and need > budget.bytes:
+    if free is not None and need > free:
         raise MemoryBudgetError(
             f"{what}: shape {tuple(shape)} ({np.dtype(dtype)}) is {size(nbytes(shape, dtype))} in {tiles} tile(s); "
-            f"generating it needs about {size(need)}, which does not fit in {budget}")
+            f"generating it needs about {size(need)}, which does not fit in MemAvailable {size(free)}")
 
 
 def check_program(session, root: Node) -> None:
-    """Refuse to run a program one of whose steps has a tile the session cannot hold."""
+    """Refuse to run a program one of whose steps has a tile, or is a constant, that the
+    session cannot hold."""
     budget = Budget.of(session)
     for node in topological(root):
         check_tile(budget, node.label, node.tile, node.dtype)
+        if isinstance(node, Fill):
+            _check_constant(node.label, node.shape, node.tile, node.dtype)
 
 
 def check_result(tensor: Tensor, method: str) -> None:

@@ -55,7 +55,7 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
 
-from tra_sql import budget, catalog
+from tra_sql import absent, budget, catalog, graph
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import (
     DTypeError,
@@ -67,6 +67,7 @@ from tra_sql.errors import (
 from tra_sql.graph import Source, topological
 from tra_sql.session import translate
 from tra_sql.tensor import Tensor
+from tra_sql.udfs.expr import join_code
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -305,6 +306,7 @@ class Rewriter:
         self.session = session
         self.run = run  # the statement runs now (else it is only shown): memory budgets apply, tra_check may repair
         self.literals: dict[str, exp.Select] = {}
+        self.complete: dict[str, bool] = {}  # literal -> whether it has every tile
         self.counter = itertools.count(1)
         self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
 
@@ -368,7 +370,17 @@ class Rewriter:
         join = _string(options["join"], "join") if "join" in options else None
         agg = _string(options["agg"], "agg") if "agg" in options else "sum"
         operands = [self.tensor(a) for a in args[1:]]
-        return self.session.einsum(spec, *operands, join=join, agg=agg)
+        if join is not None:
+            join_code(join, len(operands))
+        node = graph.einsum(spec, [t.node for t in operands], [t.name or t.node.label for t in operands], join, agg)
+        return Tensor(self.session, absent.complete_operands(node, self.completeness()))
+
+    def completeness(self) -> absent.Completeness:
+        """``Session.completeness``, told about the statement's literals, which are no tables:
+        ``tra_random`` has every tile, ``tra_from_elements`` may lack some."""
+        stored = self.session.completeness().source_complete
+        return absent.Completeness(lambda source: self.complete[source.table] if source.table in self.complete
+                                   else stored(source))
 
     def _grad(self, call: exp.Anonymous) -> Tensor:
         """``grad(loss, W)``: the gradient of the scalar tensor ``loss`` with respect to ``W``
@@ -392,8 +404,9 @@ class Rewriter:
         dt = _dtype(_string(options["dtype"], "dtype") if "dtype" in options else dtype)
         return TensorInfo(name, dt, shape, catalog.check_tile(shape, tile, fname))
 
-    def _literal(self, info: TensorInfo, select: exp.Select) -> Tensor:
+    def _literal(self, info: TensorInfo, select: exp.Select, complete: bool) -> Tensor:
         self.literals[info.name] = select
+        self.complete[info.name] = complete
         return Tensor(self.session, Source(info.shape, info.dtype, info.tile, info.name, info.layout))
 
     def _tra_random(self, call: exp.Anonymous) -> Tensor:
@@ -419,7 +432,7 @@ class Rewriter:
         for d, grid in enumerate(info.grid):
             table = _alias(exp.Table(this=_call("range", exp.Literal.number(grid))), f"r{d}", ["k"])
             select = select.from_(table) if d == 0 else select.join(table, join_type="cross")
-        return self._literal(info, select)
+        return self._literal(info, select, complete=True)
 
     def _tra_from_elements(self, call: exp.Anonymous) -> Tensor:
         args, options = _arguments(call)
@@ -451,7 +464,7 @@ class Rewriter:
                      exp.ArrayAgg(this=_array([exp.column(c) for c in columns[:-1]])),
                      exp.ArrayAgg(this=exp.column("value")))
         select = exp.select(*keys, exp.alias_(pack, "tile")).from_(_alias(inner, "e"))
-        return self._literal(info, select.group_by(*[k.copy() for k in keys]) if keys else select)
+        return self._literal(info, select.group_by(*[k.copy() for k in keys]) if keys else select, complete=False)
 
     def query(self, tensor: Tensor) -> exp.Select:
         """The tile relation of ``tensor``: the program's query with its literals' CTEs."""
