@@ -9,11 +9,12 @@ import tra_sql
 
 # Hypothesis profiles, chosen by HYPOTHESIS_PROFILE: ``ci`` (the default; tests scale their example
 # counts from its max_examples of 100, see test_differential.examples) and ``long`` (fuzzing for an
-# hour: ``HYPOTHESIS_PROFILE=long python -m pytest -m fuzz``; fuzz tests then have no timeout).
+# hour: ``HYPOTHESIS_PROFILE=long python -m pytest -m fuzz``; fuzz tests then have no timeout; its
+# example count, 20,000, can be set with TRA_SQL_FUZZ_EXAMPLES).
 settings.register_profile("ci", max_examples=100, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("long", max_examples=20_000, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=int(os.environ.get("TRA_SQL_FUZZ_EXAMPLES", 20_000)), deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 
