@@ -14,7 +14,8 @@ import itertools
 import math
 import string
 import threading
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 
 import duckdb
@@ -454,8 +455,8 @@ class Model:
 
 
 @st.composite
-def stored(draw, model: Model) -> Expr:
-    name = draw(st.sampled_from(model.known()))
+def stored(draw, model: Model, names: list[str] | None = None) -> Expr:
+    name = draw(st.sampled_from(names or model.known()))
     _, value, tile = model.tensors[name.lower()]
     spelled = draw(st.sampled_from([name, name.lower(), name.upper(), f"'{name}'", f'"{name}"']))
     return Expr(spelled, value, tile)
@@ -489,10 +490,16 @@ def elements_call(draw, shape=None) -> Expr:
 
 @st.composite
 def tensor_expr(draw, model: Model, depth: int = 2) -> Expr:
-    kinds = (["stored"] * 3 if model.known() else []) + ["random", "elements"] + (["einsum"] * 3 if depth else [])
+    floats = [n for n in model.known() if model.tensors[n.lower()][1].dtype.kind == "f"]
+    kinds = ["stored"] * 3 * bool(model.known()) + ["grad"] * bool(floats) + ["random", "elements"]
+    kinds += ["einsum"] * 3 * bool(depth)
     kind = draw(st.sampled_from(kinds))
     if kind == "stored":
         return draw(stored(model))
+    if kind == "grad":  # d/dW sum(W * W) = 2 W, W stored (grad follows a stored tensor's identity)
+        w = draw(stored(model, floats))
+        spec = string.ascii_lowercase[: w.value.ndim] + "->"
+        return Expr(f"grad(einsum('{spec}', {w.sql}, \"join\" => 'x0 * x0'), {w.sql})", 2.0 * w.value, w.tile)
     if kind == "random":
         return draw(random_call())
     if kind == "elements":
@@ -590,7 +597,10 @@ def same_elements(rows, value: np.ndarray) -> None:
 @st.composite
 def mutated_tokens(draw, sql: str) -> str:
     """``sql`` with a few tokens deleted, duplicated, swapped or replaced."""
-    tokens = [sql[t.start : t.end + 1] for t in frontend.tokenize(sql)]
+    try:
+        tokens = [sql[t.start : t.end + 1] for t in frontend.tokenize(sql)]
+    except tra_sql.SQLError:  # an unterminated string, say
+        tokens = sql.split()
     for _ in range(draw(st.integers(1, 3))):
         i = draw(st.integers(0, max(0, len(tokens) - 1)))
         edit = draw(st.sampled_from(["delete", "duplicate", "replace", "replace", "swap"]))
@@ -637,7 +647,7 @@ def run_sql(db, sql: str):
         return None if result is None else result.fetchall()
 
 
-STATS: dict = {}
+STATS: Counter = Counter()  # statements run, by origin and outcome (read by whoever runs the fuzzers long)
 
 
 @pytest.mark.fuzz
@@ -665,6 +675,12 @@ def run_mutated(db, model: Model, sql: str) -> None:
         statements = frontend.split_statements(sql)
     except tra_sql.TraError:
         statements = [None]
+    before = snapshot(db)
+    try:
+        db.explain_sql(sql)
+    except tra_sql.TraError:
+        pass
+    assert snapshot(db) == before, f"explaining {sql!r} changed the database"
     for statement in statements:
         run_case(db, model, Case(sql if statement is None else statement.text, free=True), "mutated")
 
@@ -674,13 +690,13 @@ def run_case(db, model: Model, case: Case, origin: str = "valid") -> None:
     try:
         rows = run_sql(db, case.sql)
     except tra_sql.TraError as err:
-        STATS["statements"] = STATS.get("statements", 0) + 1
+        STATS[f"{origin}: {type(err).__name__}"] += 1
         event(f"{origin}: {type(err).__name__}")
         assert snapshot(db) == before, f"{case.sql!r} failed ({err}) and changed the database"
         assert "statement" in str(err) or "SQL" in str(err), err
         assert case.free or case.error is not None and isinstance(err, case.error), f"{case.sql!r}: {err!r}"
         return
-    STATS["statements"] = STATS.get("statements", 0) + 1
+    STATS[f"{origin}: ran"] += 1
     event(f"{origin}: ran")
     assert case.error is None, f"{case.sql!r} should raise {case.error.__name__}"
     if case.check is not None:
@@ -779,3 +795,35 @@ def test_file_that_is_not_utf8(tmp_path, capsys):
     path.write_bytes("SELECT 'é';".encode("latin-1"))
     assert cli.main(["-f", str(path)]) == 1  # was a UnicodeDecodeError traceback
     assert capsys.readouterr().err == f"Error: cannot read {path}: byte 8 is not UTF-8 text\n"
+
+
+DOT = [".tensors", ".help", ".quit", ".exit", ".TENSORS", ".Help", ".foo", ".", "..", ".tensors extra", ".help me",
+       "  .tensors  ", ".quit now", ".tables", ".tensors;", ". tensors"]
+LINES = ["SELECT 1 AS one;", "SELECT 'a;b' AS s;", "SELECT", "1 AS two;", "-- a comment", "/* c */ SELECT 3;",
+         "'unterminated", ";", "", "   ", "CREATE TENSOR X AS SELECT * FROM tra_random([2]);", "DROP TENSOR X;",
+         "EXPLAIN SELECT * FROM einsum('i->', tra_random([2]));", "SELECT * FROM einsum('i->', nope);",
+         "DROP TABLE tra_tensors;", ".5;", "SELECT 1; SELECT 2;", "SELECT * FROM tra_elements(X);",
+         "SELECT count(*) FROM tra_random(shape => [4000000000]);", "EXPLAIN", "EXPLAIN ANALYZE SELECT 1;"]
+
+
+@pytest.mark.fuzz
+@FUZZ
+@given(st.lists(st.sampled_from(DOT + LINES) | st.sampled_from(LINES).flatmap(mutated_tokens), max_size=7))
+def test_fuzz_cli_prompt_and_dot_commands(lines):
+    status, _, err = prompt("\n".join(lines) + "\n")
+    errors = err.splitlines()
+    assert all(line.startswith("Error: ") for line in errors), errors  # one line each, never a traceback
+    assert status == (1 if errors else 0)
+    event(f"{len(errors)} error line(s)")
+
+
+@pytest.mark.fuzz
+@FUZZ
+@given(st.lists(st.sampled_from(LINES) | st.sampled_from(LINES).flatmap(mutated_tokens), min_size=1, max_size=4))
+def test_fuzz_cli_command_line(lines):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = cli.main(["-c", "\n".join(lines)])
+    errors = err.getvalue().splitlines()
+    assert status == (1 if errors else 0) and len(errors) <= 1, errors  # -c stops at the first error
+    assert all(line.startswith("Error: ") for line in errors), errors
