@@ -3,7 +3,7 @@
 Sizes follow from shapes and dtypes, so these checks raise ``MemoryBudgetError`` before
 anything is allocated, instead of the process growing until the OOM killer ends it:
 
-- **one tile**, of any step of a program that runs, must fit ``TILE_COPIES`` times in the
+- **one dense tile**, of any step of a program that runs, must fit ``TILE_COPIES`` times in the
   session's budget, ``min(DuckDB's memory_limit, MemAvailable)``: a tile kernel holds its
   input tiles, its output tile and DuckDB's copies of them at once;
 - **a generated tensor** (``tra_random(...)`` in SQL, ``db.full/zeros/ones``, and the constant
@@ -129,11 +129,12 @@ def _check_constant(what: str, shape, tile, dtype) -> None:
 
 
 def check_program(session, root: Node) -> None:
-    """Refuse to run a program one of whose steps has a tile, or is a constant, that the
-    session cannot hold."""
+    """Refuse to run a program one of whose steps has a dense tile, or is a constant, that the
+    session cannot hold (a CSR tile holds its entries only, which no shape tells)."""
     budget = Budget.of(session)
     for node in topological(root):
-        check_tile(budget, node.label, node.tile, node.dtype)
+        if node.layout == "dense":
+            check_tile(budget, node.label, node.tile, node.dtype)
         if isinstance(node, Fill):
             _check_constant(node.label, node.shape, node.tile, node.dtype)
 
