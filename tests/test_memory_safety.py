@@ -116,3 +116,12 @@ def test_budget_follows_memory_available(db, monkeypatch):
 def test_error_is_a_tra_error_and_a_memory_error():
     assert issubclass(MemoryBudgetError, tra_sql.TraError) and issubclass(MemoryBudgetError, MemoryError)
     assert tra_sql.MemoryBudgetError is MemoryBudgetError
+
+
+def test_a_csr_tile_holds_its_entries_only(db):
+    db.sql("CREATE TABLE edges AS SELECT range AS dst, (range * 7) % 1000000 AS src, 1.0 AS w FROM range(100)")
+    E = db.relation("edges", keys=("dst", "src"), value="w", shape=(1000000, 1000000), layout="csr")
+    assert E.tile == (1000000, 1000000)  # dense, 8 TB: not what it holds
+    x = db.from_numpy("x", np.ones((1000000, 1)), tile=(1000000, 1))
+    y = db.einsum("vu,uf->vf", E, x).numpy()
+    assert y.shape == (1000000, 1) and y.sum() == 100
