@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation of the lazy DAG, one rule per node kind (DESIGN §7).
+"""Reverse-mode differentiation of the lazy DAG, one rule per node kind (docs/training.md).
 
 The gradient of a node is built from the same node kinds, so it compiles to SQL like any
 program (``db.grad(loss, [W])[0].sql()`` shows it):
