@@ -32,6 +32,9 @@ Statements are DuckDB SQL plus the following (options are named arguments, writt
   written in one transaction (so not inside the user's own ``BEGIN``).
 - Statements without tensor syntax go to DuckDB unchanged. A SELECT's result is DuckDB's
   lazy relation: errors raised in tile functions while reading it are DuckDB's errors.
+- A statement that runs first checks the sizes it knows (``tra_sql.budget``): a ``tra_random``
+  or a tile the session cannot hold is a ``MemoryBudgetError`` before anything is allocated
+  (EXPLAIN, which runs nothing, still shows it).
 
 Scalar functions registered on the connection: ``tra_tile_values(tile, dtype)`` (DOUBLE[])
 and ``tra_tile_ints(tile, dtype)`` (BIGINT[]) give a tile's elements in C order;
@@ -230,6 +233,7 @@ def _ints(node: exp.Expression, what: str) -> tuple[int, ...]:
 
 
 def _dtype(name: str) -> np.dtype:
+    """The dtype named ``name`` (``DTypeError`` for a name NumPy does not know, too)."""
     try:
         dtype = np.dtype(name)
     except TypeError:

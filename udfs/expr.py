@@ -105,9 +105,11 @@ def _once(template: str, *args: str) -> str:
 
 
 def _number(text: str) -> str:
-    """A numeric literal as Python: an int64, else a float (``inf`` past float64's range)."""
+    """A numeric literal as Python: an int64, else a float (``inf`` past float64's range). A
+    large integer is an ``np.int64``: Numba folds literal Python ints, and fails to compile
+    a product of two large ones."""
     if not any(c in text for c in ".eE") and -INT64 <= int(text) < INT64:
-        return str(int(text))
+        return str(int(text)) if abs(int(text)) < 2**31 else f"np.int64({int(text)})"
     value = float(text)
     return "math.inf" if value == float("inf") else repr(value)
 
