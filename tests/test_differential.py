@@ -63,7 +63,7 @@ def disagreement(got, want: np.ndarray, dtype: str, tol: float) -> str | None:
     got = np.asarray(got)
     if got.shape != want.shape or got.dtype != np.dtype(dtype):
         return f"shape/dtype {got.shape} {got.dtype}, expected {want.shape} {dtype}"
-    scale = max(1.0, float(np.abs(want).max(initial=0)))
+    scale = max(1.0, float(np.abs(want[np.isfinite(want)]).max(initial=0)))  # an infinity must not excuse the rest
     bad = ~np.isclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale, equal_nan=True)
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -372,3 +372,8 @@ def test_the_harness_passes_a_right_result_and_reports_a_wrong_one_with_a_runnab
     namespace: dict = {}
     exec(script, namespace)  # noqa: S102 - the repro runs on its own
     np.testing.assert_array_equal(namespace["got"], [5.0, 7.0, 11.0])
+
+
+def test_an_infinity_in_the_reference_does_not_excuse_the_other_elements():
+    assert disagreement(np.array([np.inf, 1.0]), np.array([np.inf, 2.0]), "float64", 1e-9)
+    assert disagreement(np.array([np.inf, 2.0]), np.array([np.inf, 2.0]), "float64", 1e-9) is None
