@@ -4,7 +4,8 @@ Every input ends in a correct result or a ``TraError`` that names the culprit: n
 exception, no hang, no crash, and a failed statement leaves the database as it was. The
 oracles: ``numpy.einsum`` for specs; DuckDB itself for join expressions (they are SQL and
 evaluate as DuckDB does, ``udfs/expr.py``); a model of the stored tensors (NumPy arrays)
-for SQL statements. The example tests after each fuzzer are the bugs it found.
+for SQL statements. The example tests beside each fuzzer pin the bugs it found (and the
+semantics it checks).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from collections import Counter
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from unittest.mock import patch
 
 import duckdb
 import numba
@@ -792,24 +794,12 @@ def test_tensor_statements_without_the_catalog_table(db):
 
 
 # -- the CLI ------------------------------------------------------------------------------------------
-def prompt(lines: str, db=None) -> tuple[int, str, str]:
+def prompt(lines: str) -> tuple[int, str, str]:
     """Feed ``lines`` to the prompt as piped stdin: (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    session = db or tra_sql.connect()
-    with _stdin(lines):
+    with tra_sql.connect() as session, patch("sys.stdin", io.StringIO(lines)):
         status = cli.repl(session, out, err, interactive=False)
     return status, out.getvalue(), err.getvalue()
-
-
-@contextmanager
-def _stdin(text: str):
-    import sys
-
-    saved, sys.stdin = sys.stdin, io.StringIO(text)
-    try:
-        yield
-    finally:
-        sys.stdin = saved
 
 
 def test_dot_commands_check_their_name_and_arguments():
