@@ -260,8 +260,7 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
             sources = tuple(graph.retile(visit(producer(s)), s.tile) for s in node.sources)
             new = graph.with_inputs(node, sources)
         elif isinstance(node, Einsum):
-            operands = tuple(graph.retile(visit(producer(o)), o.tile) for o in node.operands)
-            new = replace(node, operands=operands)
+            new = graph.with_inputs(node, [graph.retile(visit(producer(o)), o.tile) for o in node.operands])
         else:
             assert isinstance(node, (Source, Fill)), type(node)
             new = node
