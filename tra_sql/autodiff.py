@@ -85,7 +85,8 @@ def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None =
                                    and any(id(c) in needs for c in node.inputs)):
             needs.add(id(node))
     adjoint: dict[int, list[Node]] = {id(loss): [seed]}
-    ctx.tight.add((id(loss), id(seed)))
+    if ctx.complete(loss):  # the seed's tiles lie within the loss's (not where the loss has none)
+        ctx.tight.add((id(loss), id(seed)))
     found: dict[int, Node] = {}
     for node in reversed(order):
         parts = adjoint.pop(id(node), None)
