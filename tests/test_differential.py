@@ -378,3 +378,12 @@ def test_the_harness_passes_a_right_result_and_reports_a_wrong_one_with_a_runnab
 def test_an_infinity_in_the_reference_does_not_excuse_the_other_elements():
     assert disagreement(np.array([np.inf, 1.0]), np.array([np.inf, 2.0]), "float64", 1e-9)
     assert disagreement(np.array([np.inf, 2.0]), np.array([np.inf, 2.0]), "float64", 1e-9) is None
+
+
+def test_gradient_with_respect_to_a_scalar_without_its_tile_is_kept_at_its_keys(db):
+    """Found by the long run: the seed counted as within the loss's tiles although the loss had
+    none, so the keys-only mask was skipped and the gradient was 1 instead of 0."""
+    A = db.from_numpy("A", np.asarray(0.5))
+    db.con.execute('DELETE FROM "A" WHERE true')
+    (dA,) = db.grad(db.einsum("->", A.transpose()), [A])
+    np.testing.assert_array_equal(dA.numpy(plan=False), 0.0)
