@@ -58,7 +58,7 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
 
-from tra_sql import absent, budget, catalog, graph
+from tra_sql import absent, budget, catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import (
     DTypeError,
@@ -70,7 +70,6 @@ from tra_sql.errors import (
 from tra_sql.graph import Source, topological
 from tra_sql.session import translate
 from tra_sql.tensor import Tensor
-from tra_sql.udfs.expr import join_code
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -374,10 +373,9 @@ class Rewriter:
         join = _string(options["join"], "join") if "join" in options else None
         agg = _string(options["agg"], "agg") if "agg" in options else "sum"
         operands = [self.tensor(a) for a in args[1:]]
-        if join is not None:
-            join_code(join, len(operands))
-        node = graph.einsum(spec, [t.node for t in operands], [t.name or t.node.label for t in operands], join, agg)
-        return Tensor(self.session, absent.complete_operands(node, self.completeness()))
+        names = [t.name or t.node.label for t in operands]
+        node = self.session.einsum_node(spec, [t.node for t in operands], names, join, agg, self.completeness())
+        return Tensor(self.session, node)
 
     def completeness(self) -> absent.Completeness:
         """``Session.completeness``, told about the statement's literals, which are no tables:

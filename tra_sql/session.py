@@ -154,11 +154,17 @@ class Session:
         (``tra_sql.absent``).
         """
         nodes, names = zip(*(self._node(op) for op in operands)) if operands else ((), ())
+        return Tensor(self, self.einsum_node(spec, list(nodes), list(names), join, agg))
+
+    def einsum_node(self, spec: str, nodes: list[graph.Node], names: list[str], join: str | None = None,
+                    agg: str = "sum", completeness: absent.Completeness | None = None) -> graph.Node:
+        """``einsum``'s node: checked, its operands completed with zeros where their absent tiles
+        matter (``completeness``: which nodes have every tile; by default counted now)."""
         if join is not None:
             from tra_sql.udfs.expr import join_code
             join_code(join, len(nodes))
-        node = graph.einsum(spec, list(nodes), list(names), join, agg)
-        return Tensor(self, absent.complete_operands(node, self.completeness()))
+        node = graph.einsum(spec, nodes, names, join, agg)
+        return absent.complete_operands(node, completeness or self.completeness())
 
     def retile(self, tensor, tile) -> Tensor:
         """``tensor`` cut into tiles of shape ``tile`` (in SQL)."""
