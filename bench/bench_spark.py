@@ -175,10 +175,10 @@ def gcn_tables(duck, data) -> None:
     import pyarrow as pa
 
     dst, src, w, _, labels = data
-    duck.con.register("_adj", pa.table({"dst": dst, "src": src, "w": w}))
-    duck.con.execute("CREATE OR REPLACE TABLE adj AS FROM _adj").fetchall()
-    duck.con.register("_labels", pa.table({"node": np.arange(len(labels)), "label": labels}))
-    duck.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
+    duck.engine.con.register("_adj", pa.table({"dst": dst, "src": src, "w": w}))
+    duck.engine.con.execute("CREATE OR REPLACE TABLE adj AS FROM _adj").fetchall()
+    duck.engine.con.register("_labels", pa.table({"node": np.arange(len(labels)), "label": labels}))
+    duck.engine.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
 
 
 def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, repeat: int) -> float:

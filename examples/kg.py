@@ -35,7 +35,7 @@ def load(db: tra_sql.Session, folder: str | None = None) -> dict:
     """Tables ``kg_triples(h, r, t, split)`` with integer ids (``kg_entities``, ``kg_relations``
     map the names) and the relation ``Y_train`` (1 at every training triple)."""
     folder = folder or data_folder()
-    con = db.con
+    con = db.engine.con
     con.execute(f"""CREATE OR REPLACE TABLE kg_raw AS
         SELECT *, 'train' AS split FROM read_csv('{folder}/train.txt', delim = '\\t', header = false,
                                                   columns = {{'head': 'VARCHAR', 'rel': 'VARCHAR', 'tail': 'VARCHAR'}})
@@ -102,8 +102,8 @@ def filtered_ranks(S: np.ndarray, triples: np.ndarray, known: np.ndarray) -> np.
 
 
 def evaluate(S: np.ndarray, db: tra_sql.Session) -> dict:
-    triples = np.array(db.con.execute("SELECT h, r, t FROM kg_triples WHERE split = 'test'").fetchall())
-    known = np.array(db.con.execute("SELECT h, r, t FROM kg_triples").fetchall())
+    triples = np.array(db.engine.con.execute("SELECT h, r, t FROM kg_triples WHERE split = 'test'").fetchall())
+    known = np.array(db.engine.con.execute("SELECT h, r, t FROM kg_triples").fetchall())
     ranks = filtered_ranks(S, triples, known)
     return {"mrr": float((1 / ranks).mean()), "hits@10": float((ranks <= 10).mean())}
 

@@ -229,8 +229,8 @@ def test_tensor_sql(sdb, duck):
         sdb.sql("SELECT * FROM einsum('ij->i', Nope)")
     elements = [(0, 1, 2.0), (3, 2, 5.0), (3, 2, 1.0), (4, 0, -1.0)]
     sdb.spark.createDataFrame(elements, "i int, j int, v double").createOrReplaceTempView("elems")
-    duck.con.execute("CREATE TABLE elems (i INTEGER, j INTEGER, v DOUBLE)").fetchall()
-    duck.con.executemany("INSERT INTO elems VALUES (?, ?, ?)", elements)
+    duck.engine.con.execute("CREATE TABLE elems (i INTEGER, j INTEGER, v DOUBLE)").fetchall()
+    duck.engine.con.executemany("INSERT INTO elems VALUES (?, ?, ?)", elements)
     made = []
     for db in (sdb, duck):
         db.sql("""CREATE OR REPLACE TENSOR sR AS SELECT * FROM tra_random(shape => [5, 4], tile => [2, 3], seed => 7);
@@ -411,7 +411,7 @@ def test_plan_uses_the_session_budget(sdb):
 def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     a = arrays()["A"].astype(np.float32)
     duck.from_numpy("cA", a, tile=(16, 8))
-    duck.con.execute("CREATE TABLE edges AS SELECT i AS dst, (i * 7) % 10 AS src, i / 2 AS w, 'e' || i AS label "
+    duck.engine.con.execute("CREATE TABLE edges AS SELECT i AS dst, (i * 7) % 10 AS src, i / 2 AS w, 'e' || i AS label "
                      "FROM range(100) t(i)")
     transfer.copy(duck, sdb, "cA", replace=True)
     transfer.copy(duck, sdb, "edges", replace=True)
@@ -421,8 +421,8 @@ def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     transfer.copy(sdb, duck, "cG")
     transfer.copy(sdb, duck, "edges", to="edges2")
     np.testing.assert_allclose(duck.tensor("cG").numpy(), a @ a.T, rtol=1e-4, atol=1e-4)
-    assert duck.con.execute("SELECT * FROM edges2 EXCEPT SELECT * FROM edges").fetchall() == []
-    assert duck.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
+    assert duck.engine.con.execute("SELECT * FROM edges2 EXCEPT SELECT * FROM edges").fetchall() == []
+    assert duck.engine.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
     with pytest.raises(tra_sql.TensorExistsError):
         transfer.copy(sdb, duck, "cG")
     sparse = duck.relation("edges", ("dst", "src"), "w", (100, 10), name="cS", layout="csr", tile=(40, 10))
@@ -442,7 +442,7 @@ def test_relation_and_sparse_gradient(sdb, duck):
     adjacency = np.zeros((12, 12))
     np.add.at(adjacency, (dst, src), w)
     x, w0 = rng.standard_normal((12, 5)), rng.standard_normal((5, 4))
-    duck.con.execute("CREATE TABLE redges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
+    duck.engine.con.execute("CREATE TABLE redges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
                      "unnest(?) AS w)", [dst.tolist(), src.tolist(), w.tolist()]).fetchall()
     transfer.copy(duck, sdb, "redges", replace=True)
     grads = []
