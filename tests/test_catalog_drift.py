@@ -136,7 +136,8 @@ def test_a_whole_database_checks_clean(db, rng):
     db.from_numpy("ragged", rng.standard_normal((13, 7, 5)), tile=(4, 3, 5))
     db.from_numpy("ints", np.arange(10, dtype=np.int32), tile=3)
     db.from_numpy("scalar", np.float64(2.5))
-    db.engine.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (2, 2, 1.5)) t(dst, src, w)").fetchall()
+    db.engine.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (2, 2, 1.5)) "
+                          "t(dst, src, w)").fetchall()
     db.relation("edges", ("dst", "src"), "w", shape=(3, 3), name="E")
     db.relation("edges", ("dst", "src"), "w", shape=(3, 3), name="S", layout="csr").store("SC")
     db.einsum("ij,jk->ik", "E", "SC").store("P")

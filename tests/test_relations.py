@@ -70,7 +70,8 @@ def test_relation_errors_and_drop(edges):
 def test_relation_in_a_database_file(tmp_path):
     path = str(tmp_path / "rel.duckdb")
     with tra_sql.connect(path) as db:
-        db.engine.con.execute("CREATE TABLE ratings AS SELECT * FROM (VALUES (0, 0, 4.0), (1, 2, 3.0)) t(u, i, r)").fetchall()
+        db.engine.con.execute("CREATE TABLE ratings AS SELECT * FROM (VALUES (0, 0, 4.0), (1, 2, 3.0)) "
+                              "t(u, i, r)").fetchall()
         db.relation("ratings", ("u", "i"), "r", (2, 3))
     with tra_sql.connect(path) as db:
         relations.ensure_udfs(db)  # the view calls tra_pack, registered per connection

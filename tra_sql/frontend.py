@@ -60,6 +60,7 @@ from sqlglot.tokens import Token, TokenType
 
 from tra_sql import absent, budget, catalog
 from tra_sql.catalog import TensorInfo
+from tra_sql.engines.duckdb import translate
 from tra_sql.errors import (
     DTypeError,
     SpecError,
@@ -68,7 +69,6 @@ from tra_sql.errors import (
     UnknownTensorError,
 )
 from tra_sql.graph import Source, topological
-from tra_sql.engines.duckdb import translate
 from tra_sql.tensor import Tensor
 
 if TYPE_CHECKING:
