@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
-from tra_sql import catalog  # noqa: E402
 from tra_sql.catalog import TensorInfo  # noqa: E402
 from tra_sql.decompose import Constants, graphs, make_plan  # noqa: E402
 from tra_sql.decompose.calibrate import save  # noqa: E402
@@ -179,7 +178,7 @@ def store_streamed(db, name: str, shape: tuple[int, ...], tile: tuple[int, ...],
     """Store a tensor tile by tile (never whole in memory), its tiles uncompressed."""
     info = TensorInfo(name, np.dtype("float32"), shape, tile)
     keys = ", ".join(f"0::INTEGER AS k{d}" for d in range(len(shape)))
-    catalog.create_tensor_table(db.engine.con, info, f"SELECT {keys}, ''::BLOB AS tile WHERE false", replace=True)
+    db.engine.create_table(info, f"SELECT {keys}, ''::BLOB AS tile WHERE false", replace=True)
     marks = ", ".join("?" * (len(shape) + 1))
     for key in itertools.product(*(range(g) for g in info.grid)):
         data = ooc_tile(seed, key, info.tile_shape(key))

@@ -20,7 +20,6 @@ from importlib.metadata import PackageNotFoundError, distribution
 import numpy as np
 
 import tra_sql
-from tra_sql import autodiff
 from tra_sql.optim import Adam
 
 
@@ -78,8 +77,8 @@ def loss(db: tra_sql.Session, E: tra_sql.Tensor, R: tra_sql.Tensor, n_train: int
     """Mean over the training triples of the tail and head 1-vs-all cross-entropies:
     row maxima (constants), sums of ``exp(score - max)`` over tails and over heads, then one join."""
     S, Y = scores(db, E, R), db.tensor("Y_train")
-    top_t = autodiff.detach(db, db.einsum("hrt->hr", S, agg="max"))
-    top_h = autodiff.detach(db, db.einsum("hrt->rt", S, agg="max"))
+    top_t = db.detach(db.einsum("hrt->hr", S, agg="max"))
+    top_h = db.detach(db.einsum("hrt->rt", S, agg="max"))
     sum_t = db.einsum("hrt,hr->hr", S, top_t, join="exp(x0 - x1)")
     sum_h = db.einsum("hrt,rt->rt", S, top_h, join="exp(x0 - x1)")
     return db.einsum("hrt,hrt,hr,hr,rt,rt->", Y, S, top_t, sum_t, top_h, sum_h,

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import autodiff
 from tra_sql.udfs import sparse
 
 
@@ -136,7 +135,7 @@ def test_gradients_through_a_csr_product_with_every_tile(db, rng):
     W, B = db.from_numpy("W", w), db.from_numpy("B", b)
     pre = db.einsum("vu,uf,fg->vg", A, db.from_numpy("X", x), W)
     H = db.einsum("vg,g->vg", pre, B, join="greatest(x0 + x1, 0)")
-    ctx = autodiff.context(db)
+    ctx = db.gradient_context()
     assert ctx.complete(A.node) and not ctx.dense(A.node) and ctx.dense(pre.node)
     loss = db.einsum("vg,vg->", H, db.einsum("vg->vg", H, join="tanh(x0)"))  # H read twice
     dW, dB = db.grad(loss, [W, B])
