@@ -18,7 +18,9 @@ table's rows are the nonzeros of an (N, N) tensor and joins against it are ordin
 Keys must be integers in ``[0, n)``; rows outside ``shape`` are not part of the tensor.
 Rows with the same keys add up when ``sum_duplicates`` (or when blocked); otherwise each row
 is a tile of its own, which sum-of-products also adds up but which other joins see twice.
-``value=None`` means 1.0 per row (an adjacency or incidence relation).
+``value=None`` means 1.0 per row (an adjacency or incidence relation). The engine makes the
+relation (``Engine.create_relation``): DuckDB a VIEW; Spark a tensor table (a copy: later
+changes to the table do not show).
 """
 
 from __future__ import annotations
