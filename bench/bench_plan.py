@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
-from tra_sql import catalog  # noqa: E402
 from tra_sql.catalog import TensorInfo  # noqa: E402
 from tra_sql.decompose import Constants, graphs, make_plan  # noqa: E402
 from tra_sql.decompose.calibrate import save  # noqa: E402
@@ -110,7 +109,7 @@ def section_plans(db, args) -> None:
 def db_consts(db):
     from tra_sql.decompose.calibrate import load
 
-    return load(db.con)
+    return load(db.engine.con)
 
 
 def section_llama(db, args) -> None:
@@ -179,11 +178,11 @@ def store_streamed(db, name: str, shape: tuple[int, ...], tile: tuple[int, ...],
     """Store a tensor tile by tile (never whole in memory), its tiles uncompressed."""
     info = TensorInfo(name, np.dtype("float32"), shape, tile)
     keys = ", ".join(f"0::INTEGER AS k{d}" for d in range(len(shape)))
-    catalog.create_tensor_table(db.con, info, f"SELECT {keys}, ''::BLOB AS tile WHERE false", replace=True)
+    db.engine.create_table(info, f"SELECT {keys}, ''::BLOB AS tile WHERE false", replace=True)
     marks = ", ".join("?" * (len(shape) + 1))
     for key in itertools.product(*(range(g) for g in info.grid)):
         data = ooc_tile(seed, key, info.tile_shape(key))
-        db.con.execute(f'INSERT INTO "{name}" VALUES ({marks})', [*key, data.tobytes()]).fetchall()
+        db.engine.con.execute(f'INSERT INTO "{name}" VALUES ({marks})', [*key, data.tobytes()]).fetchall()
 
 
 def assemble(shape: tuple[int, ...], tile: tuple[int, ...], seed: int) -> np.ndarray:
@@ -214,24 +213,24 @@ def section_ooc(args, consts) -> None:
     t_before, _ = numpy_time()  # numpy before and after: the machine's load drifts
     with tempfile.TemporaryDirectory(dir=args.ooc_dir) as tmp:
         db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), threads=args.workers, memory_limit="4GB")
-        save(db.con, consts)
-        db.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
+        save(db.engine.con, consts)
+        db.engine.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
         # tiles uncompressed: DuckDB would pick ZSTD for these blobs, and reading one tile of a
         # ZSTD segment decompresses most of it; one checkpoint at the end of the load
-        db.con.execute("SET force_compression = 'uncompressed'").fetchall()
-        db.con.execute("SET checkpoint_threshold = '16GB'").fetchall()
+        db.engine.con.execute("SET force_compression = 'uncompressed'").fetchall()
+        db.engine.con.execute("SET checkpoint_threshold = '16GB'").fetchall()
         start = time.perf_counter()
         store_streamed(db, "A", (m, K), (m, kt), 1)
         store_streamed(db, "B", (K, n), (kt, n), 2)
-        db.con.execute("CHECKPOINT").fetchall()
-        db.con.execute("RESET checkpoint_threshold").fetchall()
+        db.engine.con.execute("CHECKPOINT").fetchall()
+        db.engine.con.execute("RESET checkpoint_threshold").fetchall()
         size = os.path.getsize(Path(tmp) / "ooc.duckdb")
         print(f"stored tile by tile in {time.perf_counter() - start:.1f} s (database file {size / 1e6:.0f} MB)\n")
-        db.con.execute(f"SET memory_limit = '{limit / 1e6:.0f}MB'").fetchall()
+        db.engine.con.execute(f"SET memory_limit = '{limit / 1e6:.0f}MB'").fetchall()
         C = db.einsum("ij,jk->ik", db.tensor("A"), db.tensor("B"))
         plan = db.plan(C, workers=args.workers)
         print("```\n" + plan.explain() + "\n```\n")
-        with Peak(db.con) as peak:
+        with Peak(db.engine.con) as peak:
             start = time.perf_counter()
             out = C.store("C", plan=plan)
             elapsed = time.perf_counter() - start
@@ -269,7 +268,7 @@ def main() -> None:
     with tra_sql.connect(threads=args.workers) as db:
         if args.no_calibrate:
             consts = Constants()
-            save(db.con, consts)
+            save(db.engine.con, consts)
             print("constants: the defaults (no calibration in this run)\n")
         else:
             start = time.perf_counter()

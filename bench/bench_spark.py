@@ -80,9 +80,10 @@ def mllib_operand(db, table: str, n: int, b: int):
         rows = pa.ListArray.from_arrays(pa.array(np.arange(len(data) // b + 1, dtype=np.int32) * b), pa.array(data))
         return pa.ListArray.from_arrays(pa.array(np.arange(len(tiles) + 1, dtype=np.int32) * b), rows)
 
-    db.spark.udf.register("bench_tile_rows", arrow_udf(tile_rows, "array<array<double>>"))
-    db.spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")  # one tile of rows (b² doubles) at a time
-    frame = db.spark.sql(f"""
+    db.engine.spark.udf.register("bench_tile_rows", arrow_udf(tile_rows, "array<array<double>>"))
+    # one tile of rows (b² doubles) at a time
+    db.engine.spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
+    frame = db.engine.spark.sql(f"""
         SELECT CAST(k0 * {b} + r AS BIGINT) AS index,
                flatten(transform(array_sort(collect_list(struct(k1, piece))), x -> x.piece)) AS values
         FROM (SELECT k0, k1, bench_tile_rows(tile) AS rows FROM {table}) LATERAL VIEW posexplode(rows) p AS r, piece
@@ -90,9 +91,9 @@ def mllib_operand(db, table: str, n: int, b: int):
     frame = MLUtils.convertVectorColumnsFromML(frame.select("index", array_to_vector("values").alias("vector")))
     matrix = IndexedRowMatrix(frame, n, n).toBlockMatrix(b, b)
     java = matrix._java_matrix_wrapper._java_model
-    java.persist(db.spark.sparkContext._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
+    java.persist(db.engine.spark.sparkContext._jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
     java.blocks().count()
-    db.spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    db.engine.spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     return matrix
 
 
@@ -111,17 +112,17 @@ def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[f
     db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
                          driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
     try:
-        db.wait_for_executors(2)
+        db.engine.wait_for_executors(2)
         c = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=block_size), db.from_numpy("B", b, tile=block_size))
         store = median_time(lambda: c.store("C", replace=True), repeat)
         check(db.tensor("C").numpy(plan=False), reference, "tra_sql on Spark")
         def compute_only():
-            with db.frame(c.program()) as frame:
+            with db.engine.frame(c.program()) as frame:
                 frame.write.format("noop").mode("overwrite").save()
 
         compute = median_time(compute_only, repeat, warmup=0)
         print(f"tra_sql Spark: store {store:.2f} s, compute only {compute:.2f} s", flush=True)
-        sc, n = db.spark.sparkContext, a.shape[0]
+        sc, n = db.engine.spark.sparkContext, a.shape[0]
         ma, mb = mllib_operand(db, "A", n, block_size), mllib_operand(db, "B", n, block_size)
         product = ma.multiply(mb)  # the warm-up run, checked
         java = product._java_matrix_wrapper._java_model
@@ -175,10 +176,10 @@ def gcn_tables(duck, data) -> None:
     import pyarrow as pa
 
     dst, src, w, _, labels = data
-    duck.con.register("_adj", pa.table({"dst": dst, "src": src, "w": w}))
-    duck.con.execute("CREATE OR REPLACE TABLE adj AS FROM _adj").fetchall()
-    duck.con.register("_labels", pa.table({"node": np.arange(len(labels)), "label": labels}))
-    duck.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
+    duck.engine.con.register("_adj", pa.table({"dst": dst, "src": src, "w": w}))
+    duck.engine.con.execute("CREATE OR REPLACE TABLE adj AS FROM _adj").fetchall()
+    duck.engine.con.register("_labels", pa.table({"node": np.arange(len(labels)), "label": labels}))
+    duck.engine.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
 
 
 def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, repeat: int) -> float:
@@ -240,13 +241,13 @@ def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory) -> dict[str, float]
         db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
                              driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
         try:
-            db.wait_for_executors(2)
+            db.engine.wait_for_executors(2)
             for table in ("adj", "labels"):
                 transfer.copy(duck, db, table, replace=True)
             t_spark, spark_losses, spark_w1 = gcn_epoch(db, n, f, h, c, block, data[3])
             np.testing.assert_allclose(spark_losses, losses, rtol=1e-4)
             check(spark_w1, w1, "tra_sql GCN on Spark")
-            t_mllib = mllib_gcn(db.spark.sparkContext, data, n, f, h, c, block, repeat)
+            t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, repeat)
         finally:
             db.close()
     return {"duckdb": t_duck, "spark": t_spark, "mllib": t_mllib}

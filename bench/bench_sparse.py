@@ -42,8 +42,8 @@ def main() -> None:
     print(f"{edges:,} edges, {nodes:,} nodes, {features} float32 features; median of {args.repeat}")
 
     db = tra_sql.connect()
-    db.con.register("_edges", pa.table({"dst": dst, "src": src, "w": w}))
-    db.con.execute("CREATE TABLE edges AS SELECT * FROM _edges").fetchall()
+    db.engine.con.register("_edges", pa.table({"dst": dst, "src": src, "w": w}))
+    db.engine.con.execute("CREATE TABLE edges AS SELECT * FROM _edges").fetchall()
     tilings = {1: db.from_numpy("X", x, tile=x.shape), 4: db.from_numpy("X4", x, tile=(-(-nodes // 4), features)),
                "rows": db.from_numpy("Xrows", x, tile=(1, features))}
     S = sp.csr_matrix((w, (dst, src)), shape=(nodes, nodes))

@@ -120,14 +120,14 @@ def tra_gcn(n, e, f, h, c, epochs, dtype):
 
     src, dst, X, labels = graph_data(n, e, f, c)
     db = tra_sql.connect()
-    db.con.register("_edges", pa.table({"src": src, "dst": dst}))
-    db.con.execute("""CREATE TABLE adj AS
+    db.engine.con.register("_edges", pa.table({"src": src, "dst": dst}))
+    db.engine.con.execute("""CREATE TABLE adj AS
         WITH links AS (SELECT src, dst FROM _edges UNION SELECT range, range FROM range(?)),
              degree AS (SELECT dst AS node, count(*) AS d FROM links GROUP BY dst)
         SELECT l.dst, l.src, 1 / sqrt(a.d * b.d) AS w
         FROM links l JOIN degree a ON a.node = l.dst JOIN degree b ON b.node = l.src""", [n]).fetchall()
-    db.con.register("_labels", pa.table({"node": np.arange(n), "label": labels}))
-    db.con.execute("CREATE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
+    db.engine.con.register("_labels", pa.table({"node": np.arange(n), "label": labels}))
+    db.engine.con.execute("CREATE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
     A = db.relation("adj", ("dst", "src"), "w", (n, n), name="A_view", layout="csr", dtype=dtype).store("A")
     Y = db.relation("labels", ("node", "label"), None, (n, c), name="Y_view", tile=(n, c), dtype=dtype).store("Y")
     x = db.from_numpy("X", X.astype(dtype), tile=(n, f))
@@ -152,8 +152,8 @@ def tra_mf(users, items, count, k, epochs, dtype):
 
     u, i, r = ratings_data(users, items, count, k)
     db = tra_sql.connect()
-    db.con.register("_ratings", pa.table({"user": u, "item": i, "rating": r}))
-    db.con.execute("CREATE TABLE synthetic AS FROM _ratings").fetchall()
+    db.engine.con.register("_ratings", pa.table({"user": u, "item": i, "rating": r}))
+    db.engine.con.execute("CREATE TABLE synthetic AS FROM _ratings").fetchall()
     sizes = mf.load(db, ratings_table="synthetic", dtype=dtype)
     weights = mf.initial_weights(sizes["users"], sizes["items"], k, 0)
     params = {name: db.parameter(f"mf_{name}", init=v, dtype=dtype) for name, v in weights.items()}
@@ -172,7 +172,7 @@ def tra_ooc(n, f, h, batches, epochs, dtype):
         data_mb = n * f * np.dtype(dtype).itemsize / 2**20
         limit = f"{data_mb / 4:.0f}MB"
         db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), memory_limit=limit)
-        db.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
+        db.engine.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
         rng = np.random.default_rng(0)
         w_true = rng.standard_normal(f)
         per = n // batches

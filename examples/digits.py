@@ -33,7 +33,7 @@ def data_file() -> str:
 def load(db: tra_sql.Session, path: str | None = None) -> dict[str, int]:
     """Tables ``digits`` (the file), ``digit_split`` (every 4th image is a test image),
     ``digit_x`` (split, row, pixel, standardized value) and ``digit_y`` (split, row, label)."""
-    con = db.con
+    con = db.engine.con
     con.execute(f"CREATE OR REPLACE TABLE digits_file AS FROM read_csv('{path or data_file()}', header = false)"
                 ).fetchall()
     con.execute("CREATE OR REPLACE TABLE digits AS SELECT rowid AS id, * FROM digits_file").fetchall()

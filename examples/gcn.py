@@ -34,7 +34,7 @@ def load(db: tra_sql.Session, data: str | Path) -> dict[str, int]:
     (normalized, with self loops) and ``cora_x`` (row-normalized) computed in SQL; relations
     ``A``, ``X`` and one-hot ``Y_<split>``. Returns the sizes and split counts."""
     data = Path(data)
-    con = db.con
+    con = db.engine.con
     con.execute(f"CREATE OR REPLACE TABLE cora_nodes AS FROM read_csv('{data / 'nodes.csv'}')").fetchall()
     con.execute(f"CREATE OR REPLACE TABLE cora_edges AS FROM read_csv('{data / 'edges.csv'}')").fetchall()
     csr = np.load(data / "features.npz")

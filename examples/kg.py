@@ -20,7 +20,6 @@ from importlib.metadata import PackageNotFoundError, distribution
 import numpy as np
 
 import tra_sql
-from tra_sql import autodiff
 from tra_sql.optim import Adam
 
 
@@ -35,7 +34,7 @@ def load(db: tra_sql.Session, folder: str | None = None) -> dict:
     """Tables ``kg_triples(h, r, t, split)`` with integer ids (``kg_entities``, ``kg_relations``
     map the names) and the relation ``Y_train`` (1 at every training triple)."""
     folder = folder or data_folder()
-    con = db.con
+    con = db.engine.con
     con.execute(f"""CREATE OR REPLACE TABLE kg_raw AS
         SELECT *, 'train' AS split FROM read_csv('{folder}/train.txt', delim = '\\t', header = false,
                                                   columns = {{'head': 'VARCHAR', 'rel': 'VARCHAR', 'tail': 'VARCHAR'}})
@@ -78,8 +77,8 @@ def loss(db: tra_sql.Session, E: tra_sql.Tensor, R: tra_sql.Tensor, n_train: int
     """Mean over the training triples of the tail and head 1-vs-all cross-entropies:
     row maxima (constants), sums of ``exp(score - max)`` over tails and over heads, then one join."""
     S, Y = scores(db, E, R), db.tensor("Y_train")
-    top_t = autodiff.detach(db, db.einsum("hrt->hr", S, agg="max"))
-    top_h = autodiff.detach(db, db.einsum("hrt->rt", S, agg="max"))
+    top_t = db.detach(db.einsum("hrt->hr", S, agg="max"))
+    top_h = db.detach(db.einsum("hrt->rt", S, agg="max"))
     sum_t = db.einsum("hrt,hr->hr", S, top_t, join="exp(x0 - x1)")
     sum_h = db.einsum("hrt,rt->rt", S, top_h, join="exp(x0 - x1)")
     return db.einsum("hrt,hrt,hr,hr,rt,rt->", Y, S, top_t, sum_t, top_h, sum_h,
@@ -102,8 +101,8 @@ def filtered_ranks(S: np.ndarray, triples: np.ndarray, known: np.ndarray) -> np.
 
 
 def evaluate(S: np.ndarray, db: tra_sql.Session) -> dict:
-    triples = np.array(db.con.execute("SELECT h, r, t FROM kg_triples WHERE split = 'test'").fetchall())
-    known = np.array(db.con.execute("SELECT h, r, t FROM kg_triples").fetchall())
+    triples = np.array(db.engine.con.execute("SELECT h, r, t FROM kg_triples WHERE split = 'test'").fetchall())
+    known = np.array(db.engine.con.execute("SELECT h, r, t FROM kg_triples").fetchall())
     ranks = filtered_ranks(S, triples, known)
     return {"mrr": float((1 / ranks).mean()), "hits@10": float((ranks <= 10).mean())}
 

@@ -37,7 +37,7 @@ def load(db: tra_sql.Session, path: str | None = None, ratings_table: str | None
     """Table ``ratings(u, i, r, split)`` (from the file, or from ``ratings_table`` with columns
     user, item, rating) and relations ``R_<split>`` (rating values) and ``M_<split>`` (1 per
     rating) of ``dtype``."""
-    con = db.con
+    con = db.engine.con
     if ratings_table is None:
         con.execute(f"""CREATE OR REPLACE TABLE ml_file AS SELECT "user_id:token" AS user, "item_id:token" AS item,
             "rating:float" AS rating FROM read_csv('{path or data_file()}', delim = '\\t', header = true)""").fetchall()
@@ -82,7 +82,7 @@ def torch_reference(db: tra_sql.Session, weights: dict, sizes: dict, epochs: int
     import torch
 
     def split(name):
-        u, i, r = np.array(db.con.execute(f"SELECT u, i, r FROM ratings_{name}").fetchall()).T
+        u, i, r = np.array(db.engine.con.execute(f"SELECT u, i, r FROM ratings_{name}").fetchall()).T
         return torch.tensor(u.astype(np.int64)), torch.tensor(i.astype(np.int64)), torch.tensor(r)
 
     ps = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}

@@ -254,7 +254,7 @@ class Builder:
         if (self.absent if absent is None else absent) and draw(st.integers(0, 2)) == 0:
             gone = sorted(draw(st.sets(st.sampled_from(keys), min_size=1, max_size=len(keys))))
             conds = " OR ".join(" AND ".join(f"k{d} = {k}" for d, k in enumerate(key)) or "true" for key in gone)
-            code += f"\ndb.con.execute('DELETE FROM \"{name}\" WHERE {conds}')"
+            code += f"\ndb.engine.con.execute('DELETE FROM \"{name}\" WHERE {conds}')"
         mask = np.ones(shape)
         for key in gone:
             mask[tuple(slice(k * t, (k + 1) * t) for k, t in zip(key, tile))] = 0
@@ -621,7 +621,7 @@ def csr_programs(draw) -> Program:
     dtype = draw(st.sampled_from(FLOATS))
     tile = draw(st.none() | st.tuples(st.integers(1, n), st.integers(1, m)))
     rows = ", ".join(f"({r}, {c}, {v})" for (r, c), v in zip(cells, values))
-    code = (f'db.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES {rows}) AS t(r, c, v)")\n'
+    code = (f'db.engine.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES {rows}) AS t(r, c, v)")\n'
             f'R = db.relation("E", ("r", "c"), "v", ({n}, {m}), name="R", dtype={dtype!r}, tile={tile!r}, '
             f'layout="csr")')
     if draw(st.booleans()):

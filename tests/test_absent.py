@@ -25,7 +25,7 @@ def holes(db):
     rng = np.random.default_rng(7)
     x = -1 - rng.random((6, 5))
     db.from_numpy("X", x, tile=(2, 2))
-    db.con.execute('DELETE FROM "X" WHERE (k0 = 0 AND k1 = 1) OR (k0 = 2 AND k1 = 2)').fetchall()
+    db.engine.con.execute('DELETE FROM "X" WHERE (k0 = 0 AND k1 = 1) OR (k0 = 2 AND k1 = 2)').fetchall()
     x[0:2, 2:4] = 0
     x[4:6, 4:5] = 0
     y = rng.standard_normal(5)

@@ -278,7 +278,7 @@ def test_fan_out_and_intermediate_targets(db, rng):
 def test_fan_out_of_gradients_missing_tiles_is_a_keyed_sum(db):
     """Where the contributions may lack tiles (a relation with empty blocks), they add as a keyed
     sum, absent tiles counting as zeros; complete ones add in a join (test_sparse)."""
-    db.con.execute("CREATE TABLE pts AS SELECT * FROM (VALUES (0, 1, 1.5), (3, 2, -2.0)) t(i, j, v)").fetchall()
+    db.engine.con.execute("CREATE TABLE pts AS SELECT * FROM (VALUES (0, 1, 1.5), (3, 2, -2.0)) t(i, j, v)").fetchall()
     E = db.relation("pts", keys=("i", "j"), value="v", shape=(4, 4), tile=(2, 2))  # tiles (0, 0), (1, 1)
     X = np.arange(16.0).reshape(4, 4) / 10
     x = db.from_numpy("x", X, tile=(2, 2))
@@ -344,7 +344,7 @@ def test_finite_differences(db, rng, case):
 
 
 def test_sparse_relation_gradient_exists_at_its_keys_only(db):
-    db.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (1, 2, 2.0), (3, 0, -1.0)) "
+    db.engine.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (1, 2, 2.0), (3, 0, -1.0)) "
                    "t(dst, src, w)").fetchall()
     E = db.relation("edges", keys=("dst", "src"), value="w", shape=(4, 4))
     x = db.from_numpy("x", np.arange(4.0) + 1)

@@ -77,7 +77,7 @@ def corrupted(sql: str) -> tra_sql.Session:
     db.from_numpy("A", A, tile=(2, 2))
     db.from_numpy("B", np.eye(4), tile=(2, 2))
     for statement in sql.split("; "):
-        db.con.execute(statement).fetchall()
+        db.engine.con.execute(statement).fetchall()
     return db
 
 
@@ -88,7 +88,7 @@ def test_corruption_is_a_clear_error_on_every_use(corruption, use):
     with corrupted(sql) as db:
         with pytest.raises(error, match=message):
             USES[use](db)
-        assert "C" not in db.tensors() and db.con.execute(
+        assert "C" not in db.tensors() and db.engine.con.execute(
             "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'C'").fetchall() == [(0,)]
 
 
@@ -126,17 +126,18 @@ def test_training_over_a_drifted_table_stops_before_its_first_step(db, sql, erro
     x = db.from_numpy("X", np.ones((4, 3)))
     W = db.parameter("W", init=np.ones((3, 2)))
     loss = db.einsum("ni,ij->", x, W)
-    db.con.execute(sql).fetchall()
+    db.engine.con.execute(sql).fetchall()
     with pytest.raises(error, match=message):
         db.train(loss, [W], tra_sql.optim.SGD(lr=0.1), 2, progress=False)
-    assert db.con.execute("SELECT count(*) FROM tra_run_log").fetchall() == [(0,)]
+    assert db.engine.con.execute("SELECT count(*) FROM tra_run_log").fetchall() == [(0,)]
 
 
 def test_a_whole_database_checks_clean(db, rng):
     db.from_numpy("ragged", rng.standard_normal((13, 7, 5)), tile=(4, 3, 5))
     db.from_numpy("ints", np.arange(10, dtype=np.int32), tile=3)
     db.from_numpy("scalar", np.float64(2.5))
-    db.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (2, 2, 1.5)) t(dst, src, w)").fetchall()
+    db.engine.con.execute("CREATE TABLE edges AS SELECT * FROM (VALUES (0, 1, 0.5), (2, 2, 1.5)) "
+                          "t(dst, src, w)").fetchall()
     db.relation("edges", ("dst", "src"), "w", shape=(3, 3), name="E")
     db.relation("edges", ("dst", "src"), "w", shape=(3, 3), name="S", layout="csr").store("SC")
     db.einsum("ij,jk->ik", "E", "SC").store("P")
@@ -147,7 +148,7 @@ def test_a_whole_database_checks_clean(db, rng):
 
 def test_bigint_keys_are_integer_keys(db):
     db.from_numpy("A", A, tile=(2, 2))
-    db.con.execute('ALTER TABLE "A" ALTER COLUMN k0 TYPE BIGINT').fetchall()
+    db.engine.con.execute('ALTER TABLE "A" ALTER COLUMN k0 TYPE BIGINT').fetchall()
     assert db.check() == []
     np.testing.assert_array_equal(db.einsum("ij->ji", "A").numpy(), A.T)
 
@@ -155,10 +156,10 @@ def test_bigint_keys_are_integer_keys(db):
 def test_repair_drops_rows_whose_table_is_gone_and_reports_tables_without_a_row(db):
     for name in ("A", "B", "C", "D"):
         db.from_numpy(name, A, tile=(2, 2))
-    db.con.execute('DROP TABLE "A"').fetchall()
-    db.con.execute('ALTER TABLE "B" RENAME TO "B2"').fetchall()
-    db.con.execute("DELETE FROM tra_tensors WHERE name = 'C'").fetchall()
-    db.con.execute('UPDATE "D" SET tile = NULL WHERE k0 = 0').fetchall()
+    db.engine.con.execute('DROP TABLE "A"').fetchall()
+    db.engine.con.execute('ALTER TABLE "B" RENAME TO "B2"').fetchall()
+    db.engine.con.execute("DELETE FROM tra_tensors WHERE name = 'C'").fetchall()
+    db.engine.con.execute('UPDATE "D" SET tile = NULL WHERE k0 = 0').fetchall()
     expected = [("A", "no table"), ("B", "no table"), ("D", "null tile"), ("B2", "no catalog row"),
                 ("C", "no catalog row")]
     assert [(f.tensor, f.problem, f.repaired) for f in db.check()] == [e + (False,) for e in expected]
@@ -167,14 +168,14 @@ def test_repair_drops_rows_whose_table_is_gone_and_reports_tables_without_a_row(
         e + (e[1] == "no table",) for e in expected]
     assert db.tensors() == ["D"]
     assert [(f.tensor, f.problem) for f in db.check()] == expected[2:]
-    assert db.con.execute('SELECT count(*) FROM "B2"').fetchall() == [(4,)]    # reported, not dropped
+    assert db.engine.con.execute('SELECT count(*) FROM "B2"').fetchall() == [(4,)]    # reported, not dropped
     with pytest.raises(UnknownTensorError, match="'C'.*exists without a catalog row"):
         db.tensor("C")
 
 
 def test_repair_drops_staging_tables_a_killed_planned_store_left(db):
     db.from_numpy("A", A, tile=(2, 2))
-    db.con.execute('CREATE TABLE "_tra_stage_1f2e3d4c_2" AS SELECT * FROM "A"').fetchall()
+    db.engine.con.execute('CREATE TABLE "_tra_stage_1f2e3d4c_2" AS SELECT * FROM "A"').fetchall()
     assert [(f.tensor, f.problem) for f in db.check()] == [("_tra_stage_1f2e3d4c_2", "stage table")]
     assert [f.repaired for f in db.check(repair=True)] == [True]
     assert db.check() == [] and db.tensors() == ["A"]
@@ -182,7 +183,7 @@ def test_repair_drops_staging_tables_a_killed_planned_store_left(db):
 
 def test_tra_check_in_sql_repairs_only_when_it_runs(db):
     db.from_numpy("A", A, tile=(2, 2))
-    db.con.execute('DROP TABLE "A"').fetchall()
+    db.engine.con.execute('DROP TABLE "A"').fetchall()
     result = db.sql("SELECT * FROM tra_check() WHERE problem = 'no table'")
     assert result.columns == ["tensor", "problem", "detail", "repaired"]
     assert result.fetchall() == [("A", "no table", "its table is gone (dropped or renamed outside tra_sql)", False)]
@@ -194,18 +195,18 @@ def test_tra_check_in_sql_repairs_only_when_it_runs(db):
 
 
 def test_a_relation_view_over_a_dropped_table(db):
-    db.con.execute("CREATE TABLE edges AS SELECT 0 AS dst, 1 AS src, 0.5 AS w").fetchall()
+    db.engine.con.execute("CREATE TABLE edges AS SELECT 0 AS dst, 1 AS src, 0.5 AS w").fetchall()
     db.relation("edges", ("dst", "src"), "w", shape=(2, 2), name="E")
-    db.con.execute("DROP TABLE edges").fetchall()
+    db.engine.con.execute("DROP TABLE edges").fetchall()
     with pytest.raises(CatalogDriftError, match="'E'.*view no longer binds.*edges"):
         db.einsum("ij->", "E").numpy()
     assert [(f.tensor, f.problem) for f in db.check()] == [("E", "view")]
 
 
 def test_a_stored_csr_tile_that_does_not_decode(db):
-    db.con.execute("CREATE TABLE edges AS SELECT 0 AS dst, 1 AS src, 0.5 AS w").fetchall()
+    db.engine.con.execute("CREATE TABLE edges AS SELECT 0 AS dst, 1 AS src, 0.5 AS w").fetchall()
     db.relation("edges", ("dst", "src"), "w", shape=(2, 2), name="S", layout="csr").store("SC")
-    db.con.execute("UPDATE \"SC\" SET tile = unhex('0102')").fetchall()
+    db.engine.con.execute("UPDATE \"SC\" SET tile = unhex('0102')").fetchall()
     with pytest.raises(CorruptTileError, match=r"tile \(0, 0\) of tensor 'SC' is not a CSR tile"):
         db.tensor("SC").numpy()
     assert [(f.tensor, f.problem) for f in db.check()] == [("SC", "csr tile")]
@@ -213,7 +214,7 @@ def test_a_stored_csr_tile_that_does_not_decode(db):
 
 def test_a_scalar_stored_twice(db):
     db.from_numpy("s", np.float64(1.0))
-    db.con.execute('INSERT INTO "s" SELECT * FROM "s"').fetchall()
+    db.engine.con.execute('INSERT INTO "s" SELECT * FROM "s"').fetchall()
     with pytest.raises(CorruptTileError, match=r"'s'.*tile \(\) is stored 2 times"):
         db.tensor("s")
     assert [(f.tensor, f.problem) for f in db.check()] == [("s", "duplicate key")]
@@ -222,9 +223,9 @@ def test_a_scalar_stored_twice(db):
 def test_drifted_tensors_can_be_dropped_or_replaced(db):
     for name in ("A", "B", "C"):
         db.from_numpy(name, A, tile=(2, 2))
-    db.con.execute('DROP TABLE "A"').fetchall()
-    db.con.execute("UPDATE tra_tensors SET layout = 'coo' WHERE name = 'B'").fetchall()
-    db.con.execute('ALTER TABLE "C" DROP COLUMN k1').fetchall()
+    db.engine.con.execute('DROP TABLE "A"').fetchall()
+    db.engine.con.execute("UPDATE tra_tensors SET layout = 'coo' WHERE name = 'B'").fetchall()
+    db.engine.con.execute('ALTER TABLE "C" DROP COLUMN k1').fetchall()
     db.drop("A")
     db.sql("DROP TENSOR B")
     db.from_numpy("C", np.ones(3), replace=True)
@@ -233,7 +234,7 @@ def test_drifted_tensors_can_be_dropped_or_replaced(db):
 
 def test_a_dropped_catalog_table(db):
     db.from_numpy("A", A, tile=(2, 2))
-    db.con.execute("DROP TABLE tra_tensors").fetchall()
+    db.engine.con.execute("DROP TABLE tra_tensors").fetchall()
     with pytest.raises(CatalogDriftError, match="catalog table tra_tensors cannot be read"):
         db.tensor("A")
     assert [(f.tensor, f.problem, f.repaired) for f in db.check(repair=True)] == [

@@ -80,7 +80,7 @@ def storage_round(db: tra_sql.Session, step: int) -> None:
     db.sql("CREATE OR REPLACE TENSOR D AS SELECT * FROM einsum('ij->ji', T)")
     db.sql(f"CREATE OR REPLACE TENSOR R AS {RANDOM}")
     db.relation("edges", ("dst", "src"), "w", shape=(4, 4), name="E", replace=True)
-    stale = db.con.execute("SELECT name FROM tra_tensors WHERE name LIKE 'N%' ORDER BY rowid").fetchall()[:-2]
+    stale = db.engine.con.execute("SELECT name FROM tra_tensors WHERE name LIKE 'N%' ORDER BY rowid").fetchall()[:-2]
     for (name,) in stale:
         db.drop(name) if step % 2 else db.sql(f"DROP TENSOR {name}")
     if step % 3 == 0:
@@ -94,13 +94,13 @@ def work(path: str, epochs: int, staged: bool) -> None:
     if staged:
         train.Trainer.fuse_bytes = lambda self: 0
     db = tra_sql.connect(path, threads=1)
-    db.con.execute("SET checkpoint_threshold = '64KB'").fetchall()  # checkpoints often: kills land in them
+    db.engine.con.execute("SET checkpoint_threshold = '64KB'").fetchall()  # checkpoints often: kills land in them
     report("ready")
     loss, params = model(db)
     for name, value, tile in [("TWO", TWO, (3, 3)), *zip(("PA", "PB"), factors(), ((10, 16), (16, 10)))]:
         if name not in db.tensors():
             db.from_numpy(name, value, tile=tile)
-    db.con.execute(f"CREATE TABLE IF NOT EXISTS edges AS SELECT * FROM (VALUES {', '.join(map(str, EDGES))}) "
+    db.engine.con.execute(f"CREATE TABLE IF NOT EXISTS edges AS SELECT * FROM (VALUES {', '.join(map(str, EDGES))}) "
                    f"t(dst, src, w)").fetchall()
     db.train(loss, params, Adam(lr=0.05), epochs, run="fit", batches=BATCHES, progress=False,
              before_step=lambda step, batch: storage_round(db, step))
@@ -248,13 +248,13 @@ def check_file(path: Path, reference: Reference) -> tuple[int, int]:
 
 def committed(db: tra_sql.Session) -> tuple[int, list[float]]:
     """The run's committed step (0 before it started) and its logged losses, which agree."""
-    tables = {t for (t,) in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
-    row = db.con.execute("SELECT step, epoch, batch FROM tra_runs WHERE run = 'fit'").fetchall() \
+    tables = {t for (t,) in db.engine.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+    row = db.engine.con.execute("SELECT step, epoch, batch FROM tra_runs WHERE run = 'fit'").fetchall() \
         if "tra_runs" in tables else []
     if not row:
         return 0, []
     step, epoch, batch = row[0]
-    log = db.con.execute("SELECT epoch, step, loss FROM tra_run_log WHERE run = 'fit' ORDER BY epoch").fetchall()
+    log = db.engine.con.execute("SELECT epoch, step, loss FROM tra_run_log WHERE run = 'fit' ORDER BY epoch").fetchall()
     assert step == epoch * BATCHES + batch and [(e, s) for e, s, _ in log] == [
         (e, (e + 1) * BATCHES) for e in range(epoch)]
     return step, [loss for _, _, loss in log]

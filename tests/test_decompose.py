@@ -13,7 +13,7 @@ import tra_sql
 from tra_sql import graph, nn
 from tra_sql.decompose import Constants, graphs, make_plan
 from tra_sql.decompose import calibrate as cal
-from tra_sql.decompose.execute import AUTO_MIN_BYTES, auto
+from tra_sql.decompose.choose import AUTO_MIN_BYTES, auto
 from tra_sql.graph import Source
 
 # per-row and per-statement costs high enough that the memory limit and the overheads
@@ -138,7 +138,7 @@ def test_executing_a_plan_matches_numpy(db, case, workers, memory):
     np.testing.assert_allclose(result.numpy(plan=plan), expected, rtol=1e-10)
     stored = result.store("planned", replace=True, plan=plan)
     np.testing.assert_allclose(stored.numpy(), expected, rtol=1e-10)
-    assert not [t for t in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
+    assert not [t for t in db.engine.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
                 if t[0].startswith("_tra_stage")]
 
 
@@ -161,11 +161,11 @@ def test_out_of_core_bands_read_tiles_by_key_and_accumulate(tmp_path):
         plan = db.plan(C, workers=2, memory="300KB")
         assert plan.ops[0].parts == {"i": 1, "j": 8, "k": 1} and plan.ops[0].bands == 8
         np.testing.assert_allclose(C.store("C", plan=plan).numpy(), A @ B, rtol=1e-10)
-        indexes = {r[0] for r in db.con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
+        indexes = {r[0] for r in db.engine.con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
         assert {"_tra_ix_A_k1", "_tra_ix_B_k0"} <= indexes
-        assert not db.con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '_tra_stage%'"
+        assert not db.engine.con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '_tra_stage%'"
                                   ).fetchall()
-        assert db.con.execute("SELECT current_setting('disabled_optimizers')").fetchall()[0][0] == ""
+        assert db.engine.con.execute("SELECT current_setting('disabled_optimizers')").fetchall()[0][0] == ""
 
 
 def test_planned_extended_einsum_matches_the_program_as_written(db):
@@ -205,10 +205,10 @@ def test_auto_plan_leaves_small_programs_alone(db):
 def test_calibration_is_stored_and_used(db, monkeypatch):
     monkeypatch.setattr(cal, "kernels", lambda: {"peak_flops": 5e10, "half_flops": 1e6, "elem": 1e-9,
                                                  "copy_byte": 1e-10})
-    monkeypatch.setattr(cal, "engine", lambda threads, kern: {"stmt": 0.003, "row": 2e-5, "list_byte": 1e-9})
+    monkeypatch.setattr(cal, "engine", lambda probe, threads, kern: {"stmt": 0.003, "row": 2e-5, "list_byte": 1e-9})
     consts = db.calibrate()
     assert consts.stmt == 0.003 and consts.peak_flops == 5e10
-    assert cal.load(db.con) == consts
+    assert db.engine.constants() == consts
     A = db.from_numpy("A", np.ones((8, 8)))
     assert db.plan(db.einsum("ij,jk->ik", A, A)).consts == consts
 
@@ -229,7 +229,7 @@ def test_planned_gradient_with_a_keyed_sum_fan_out(db):
     """The fan-out of a gradient over a relation with empty blocks is a keyed sum; planned, it
     must still add up (it was off by up to 1.99)."""
     torch = pytest.importorskip("torch")
-    db.con.execute("CREATE TABLE pts AS SELECT * FROM (VALUES (0, 1, 1.5), (3, 2, -2.0)) t(i, j, v)").fetchall()
+    db.engine.con.execute("CREATE TABLE pts AS SELECT * FROM (VALUES (0, 1, 1.5), (3, 2, -2.0)) t(i, j, v)").fetchall()
     E = db.relation("pts", keys=("i", "j"), value="v", shape=(4, 4), tile=(2, 2))
     X = np.arange(16.0).reshape(4, 4) / 10
     x = db.from_numpy("x", X, tile=(2, 2))
@@ -249,10 +249,10 @@ def test_failed_staged_plan_raises_a_tra_error_and_leaves_no_stage_table(db):
     C = db.einsum("ij,jk->ik", db.from_numpy("A", A, tile=(10, 16)), db.from_numpy("B", B, tile=(16, 10)))
     plan = make_plan(C.node, 1, 80000, CONSTS, base=(1, 2, 4), yardsticks=False)
     assert plan.staged and max(op.bands for op in plan.ops) > 1
-    db.con.execute('UPDATE "A" SET tile = tile[1:5] WHERE k0 = 3 AND k1 = 2').fetchall()  # truncated
+    db.engine.con.execute('UPDATE "A" SET tile = tile[1:5] WHERE k0 = 3 AND k1 = 2').fetchall()  # truncated
     with pytest.raises(tra_sql.TraError):
         C.store("C", plan=plan)
-    tables = [t for (t,) in db.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+    tables = [t for (t,) in db.engine.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
     assert "C" not in tables and not [t for t in tables if t.startswith("_tra_stage")]
 
 

@@ -287,7 +287,7 @@ def test_fusions_refuses_unknown_names_and_both_ways_of_aggregating(off):
 
 def test_gradient_of_a_tensor_with_absent_tiles_under_a_plan(db):
     A = db.from_numpy("A", np.ones((2, 5)), tile=(1, 3))
-    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0')
+    db.engine.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0')
     (dA,) = db.grad(db.einsum("a->", A.reshape(10)), [A])
     want = np.array([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=float)
     np.testing.assert_array_equal(dA.numpy(plan=False), want)
@@ -298,8 +298,8 @@ def test_banded_contraction_of_a_tensor_with_absent_tiles(db):
     a = np.arange(1.0, 9.0).reshape(2, 2, 2)
     A = db.from_numpy("A", a, tile=(1, 1, 1))
     B = db.from_numpy("B", a[:, 0, :], tile=(1, 1))
-    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0 AND k2 = 0')
-    db.con.execute('DELETE FROM "B" WHERE k0 = 0 AND k1 = 0')
+    db.engine.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0 AND k2 = 0')
+    db.engine.con.execute('DELETE FROM "B" WHERE k0 = 0 AND k1 = 0')
     a[0, 0, 0] = 0
     E = db.einsum("ab,acb->bc", B, A)
     plan = db.plan(E, workers=1, memory="1MB")
@@ -308,7 +308,7 @@ def test_banded_contraction_of_a_tensor_with_absent_tiles(db):
 
 
 def test_a_staged_plan_of_a_csr_product(db):
-    db.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES (0, 0, 0.5)) AS t(r, c, v)")
+    db.engine.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES (0, 0, 0.5)) AS t(r, c, v)")
     R = db.relation("E", ("r", "c"), "v", (1, 2), name="R", layout="csr")
     h = np.arange(4.0).reshape(2, 2)
     E = db.einsum("vu,uf->vf", R, db.from_numpy("H", h, tile=(1, 1)))
@@ -316,7 +316,7 @@ def test_a_staged_plan_of_a_csr_product(db):
 
 
 def test_a_banded_sum_over_a_csr_relation(db):
-    db.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES (0, 0, 0.5), (0, 1, 0.5)) AS t(r, c, v)")
+    db.engine.con.execute("CREATE TABLE E AS SELECT * FROM (VALUES (0, 0, 0.5), (0, 1, 0.5)) AS t(r, c, v)")
     R = db.relation("E", ("r", "c"), "v", (2, 2), name="R", tile=(1, 1), layout="csr")
     E = db.einsum("vu->v", R)
     np.testing.assert_array_equal(E.numpy(plan=db.plan(E, workers=1, memory="1MB")), [1.0, 0.0])
@@ -384,6 +384,6 @@ def test_gradient_with_respect_to_a_scalar_without_its_tile_is_kept_at_its_keys(
     """Found by the long run: the seed counted as within the loss's tiles although the loss had
     none, so the keys-only mask was skipped and the gradient was 1 instead of 0."""
     A = db.from_numpy("A", np.asarray(0.5))
-    db.con.execute('DELETE FROM "A" WHERE true')
+    db.engine.con.execute('DELETE FROM "A" WHERE true')
     (dA,) = db.grad(db.einsum("->", A.transpose()), [A])
     np.testing.assert_array_equal(dA.numpy(plan=False), 0.0)

@@ -68,7 +68,7 @@ def test_bad_names_and_tiles(db):
 
 
 def _corrupt(db, table):
-    db.con.execute(f"UPDATE \"{table}\" SET tile = '\\x00\\x01'::BLOB WHERE k0 = 1 AND k1 = 0").fetchall()
+    db.engine.con.execute(f"UPDATE \"{table}\" SET tile = '\\x00\\x01'::BLOB WHERE k0 = 1 AND k1 = 0").fetchall()
 
 
 def test_corrupt_tile_in_kernel(db, ab):
@@ -81,7 +81,7 @@ def test_corrupt_tile_on_read(db, ab):
     _corrupt(db, "A")
     with pytest.raises(tra_sql.CorruptTileError, match="'A'"):
         db.tensor("A").numpy()
-    db.con.execute("UPDATE \"B\" SET tile = NULL WHERE k0 = 1 AND k1 = 0").fetchall()
+    db.engine.con.execute("UPDATE \"B\" SET tile = NULL WHERE k0 = 1 AND k1 = 0").fetchall()
     with pytest.raises(tra_sql.CorruptTileError, match="NULL"):
         db.tensor("B").numpy()
 
@@ -91,7 +91,7 @@ def test_failed_store_leaves_nothing(db, ab):
     with pytest.raises(tra_sql.CorruptTileError):
         db.einsum("ij,jk->ik", *ab).store("C")
     assert db.tensors() == ["A", "B"]
-    assert db.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'C'").fetchall() == [(0,)]
+    assert db.engine.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'C'").fetchall() == [(0,)]
 
 
 def test_failed_replace_keeps_old(db, ab):
@@ -103,7 +103,7 @@ def test_failed_replace_keeps_old(db, ab):
 
 
 def test_store_over_plain_table_refused(db, ab):
-    db.con.execute("CREATE TABLE C (x INTEGER)").fetchall()
+    db.engine.con.execute("CREATE TABLE C (x INTEGER)").fetchall()
     with pytest.raises(tra_sql.TensorExistsError, match="'C'"):
         db.einsum("ij,jk->ik", *ab).store("C")
 
@@ -125,4 +125,4 @@ def test_import_beyond_memory_limit_is_an_execution_error_and_leaves_nothing(tmp
     with pytest.raises(tra_sql.ExecutionError, match="storing 'X'.*Out of Memory"):
         db.from_numpy("X", np.ones((2048, 512), np.float32), tile=(256, 512))
     assert "X" not in db.tensors()
-    assert not db.con.execute("SELECT * FROM duckdb_tables() WHERE table_name = 'X'").fetchall()
+    assert not db.engine.con.execute("SELECT * FROM duckdb_tables() WHERE table_name = 'X'").fetchall()

@@ -640,7 +640,7 @@ def mutated_tokens(draw, sql: str) -> str:
 
 def snapshot(db) -> tuple:
     """The catalog's rows, and every table and view with its rows' count and hash."""
-    con = db.con
+    con = db.engine.con
     tables = con.execute("SELECT database_name, schema_name, table_name FROM duckdb_tables() ORDER BY ALL").fetchall()
     contents = [con.execute(f'SELECT count(*), sum(hash(t)) FROM "{d}"."{s}"."{n}" AS t').fetchall()
                 for d, s, n in tables]
@@ -664,7 +664,7 @@ def bounded(db, seconds: float = 60):
 
     def fire():
         hung.append(True)
-        db.con.interrupt()
+        db.engine.con.interrupt()
         _thread.interrupt_main(signal.SIGUSR1)
 
     previous = signal.signal(signal.SIGUSR1, _hang)

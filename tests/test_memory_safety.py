@@ -26,7 +26,7 @@ def allocates_nothing():
 
 
 def tables(db) -> list:
-    return db.con.execute("SELECT table_name FROM duckdb_tables() ORDER BY ALL").fetchall()
+    return db.engine.con.execute("SELECT table_name FROM duckdb_tables() ORDER BY ALL").fetchall()
 
 
 @pytest.mark.parametrize("sql", [

@@ -9,8 +9,8 @@ from tra_sql import relations
 
 @pytest.fixture
 def edges(db):
-    db.con.execute("CREATE TABLE edges (dst INTEGER, src INTEGER, w DOUBLE)").fetchall()
-    db.con.execute("INSERT INTO edges VALUES (0, 1, 0.5), (1, 2, 2.0), (3, 0, -1.0), (2, 2, NULL), "
+    db.engine.con.execute("CREATE TABLE edges (dst INTEGER, src INTEGER, w DOUBLE)").fetchall()
+    db.engine.con.execute("INSERT INTO edges VALUES (0, 1, 0.5), (1, 2, 2.0), (3, 0, -1.0), (2, 2, NULL), "
                    "(9, 0, 5.0)").fetchall()
     return db
 
@@ -19,12 +19,12 @@ def test_relation_is_a_view_of_the_table(edges):
     db = edges
     E = db.relation("edges", keys=("dst", "src"), value="w", shape=(4, 4))
     assert E.name == "edges_dst_src" and E.shape == (4, 4) and E.tile == (1, 1)
-    views = db.con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'edges_dst_src'").fetchall()
+    views = db.engine.con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'edges_dst_src'").fetchall()
     assert views[0][0] == 1
     expected = np.zeros((4, 4))
     expected[0, 1], expected[1, 2], expected[3, 0] = 0.5, 2.0, -1.0   # NULL and out-of-shape rows left out
     np.testing.assert_array_equal(E.numpy(), expected)
-    db.con.execute("INSERT INTO edges VALUES (2, 3, 4.0)").fetchall()  # no copy: the view sees new rows
+    db.engine.con.execute("INSERT INTO edges VALUES (2, 3, 4.0)").fetchall()  # no copy: the view sees new rows
     expected[2, 3] = 4.0
     np.testing.assert_array_equal(E.numpy(), expected)
     x = db.from_numpy("x", np.arange(4.0))
@@ -36,7 +36,7 @@ def test_relation_options(edges):
     A = db.relation("edges", ("dst", "src"), name="adjacency")       # value None: 1.0 per row
     assert A.shape == (10, 3)
     assert A.numpy().sum() == 5
-    db.con.execute("INSERT INTO edges VALUES (0, 1, 0.25)").fetchall()
+    db.engine.con.execute("INSERT INTO edges VALUES (0, 1, 0.25)").fetchall()
     D = db.relation("edges", ("dst", "src"), "w", (4, 4), name="summed", sum_duplicates=True, dtype="float32")
     assert D.dtype == np.float32 and D.numpy()[0, 1] == pytest.approx(0.75)
     assert D.arrow().num_rows == 3
@@ -58,7 +58,7 @@ def test_relation_errors_and_drop(edges):
         db.relation("edges", ("dst", "src"), "w", (4,), name="bad")
     with pytest.raises(tra_sql.SpecError):
         db.relation("edges", ("dst", "src"), "w", (4, 4), name="ints", dtype="int64")
-    db.con.execute("CREATE TABLE empty (a INTEGER)").fetchall()
+    db.engine.con.execute("CREATE TABLE empty (a INTEGER)").fetchall()
     with pytest.raises(tra_sql.ShapeError, match="empty"):
         db.relation("empty", "a")
     relations.drop_relation(db, "edges_dst_src")
@@ -70,7 +70,8 @@ def test_relation_errors_and_drop(edges):
 def test_relation_in_a_database_file(tmp_path):
     path = str(tmp_path / "rel.duckdb")
     with tra_sql.connect(path) as db:
-        db.con.execute("CREATE TABLE ratings AS SELECT * FROM (VALUES (0, 0, 4.0), (1, 2, 3.0)) t(u, i, r)").fetchall()
+        db.engine.con.execute("CREATE TABLE ratings AS SELECT * FROM (VALUES (0, 0, 4.0), (1, 2, 3.0)) "
+                              "t(u, i, r)").fetchall()
         db.relation("ratings", ("u", "i"), "r", (2, 3))
     with tra_sql.connect(path) as db:
         relations.ensure_udfs(db)  # the view calls tra_pack, registered per connection
@@ -80,8 +81,8 @@ def test_relation_in_a_database_file(tmp_path):
 def test_features_keyed_by_id_join_dense_weights(db, rng):
     feats = rng.standard_normal((6, 4)) * (rng.random((6, 4)) < 0.5)
     rows = [(i, j, float(feats[i, j])) for i in range(6) for j in range(4) if feats[i, j]]
-    db.con.execute("CREATE TABLE feats (node INTEGER, feature INTEGER, value DOUBLE)").fetchall()
-    db.con.executemany("INSERT INTO feats VALUES (?, ?, ?)", rows)
+    db.engine.con.execute("CREATE TABLE feats (node INTEGER, feature INTEGER, value DOUBLE)").fetchall()
+    db.engine.con.executemany("INSERT INTO feats VALUES (?, ?, ?)", rows)
     X = db.relation("feats", ("node", "feature"), "value", (6, 4), tile=(4, 4))
     W = db.from_numpy("W", rng.standard_normal((4, 3)))
     np.testing.assert_allclose(db.einsum("nf,fh->nh", X, W).numpy(), feats @ W.numpy())

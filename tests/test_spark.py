@@ -72,7 +72,7 @@ def cdb(apps, cluster):
     def make():
         db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory="512m", executor_cores=1,
                              driver_memory="1g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "2"})
-        db.wait_for_executors(2)
+        db.engine.wait_for_executors(2)
         return db
     return apps.get("cluster", make)
 
@@ -150,16 +150,16 @@ def expected(full: bool = True):
 # -- local[2] ---------------------------------------------------------------------------------
 
 def test_connect_and_budget(sdb):
-    assert sdb.engine == "spark" and isinstance(sdb, tra_sql.Session)
-    assert sdb.budget() == (2, 2**30 / 2)
-    assert sdb.budget(4, "1GB") == (4, 1e9)
+    assert sdb.engine.name == "spark" and isinstance(sdb, tra_sql.Session)
+    assert sdb.engine.budget() == (2, 2**30 / 2)
+    assert sdb.engine.budget(4, "1GB") == (4, 1e9)
 
 
 def test_programs_equal_duckdb(sdb, duck):
     want = expected()
     spark_programs = programs(sdb, load(sdb, "p"))
-    assert "tra_attention_3" in sdb.sql_text(spark_programs["attention"].program()).lower()
-    assert "tra_chain_4" in sdb.sql_text(spark_programs["mlp"].program()).lower()
+    assert "tra_attention_3" in sdb.engine.sql_text(spark_programs["attention"].program()).lower()
+    assert "tra_chain_4" in sdb.engine.sql_text(spark_programs["mlp"].program()).lower()
     ours = {k: v.numpy() for k, v in spark_programs.items()}
     theirs = {k: v.numpy() for k, v in programs(duck, load(duck, "p")).items()}
     for k in want:
@@ -172,27 +172,27 @@ def test_grouped_aggregate_for_big_groups(sdb, duck):
     """Steps whose groups hold many tile (or partial result) bytes run as a grouped aggregate
     UDF; same results."""
     t, ref = load(sdb, "g"), programs(duck, load(duck, "g"), full=False)
-    sdb.group_bytes = 0
+    sdb.engine.group_bytes = 0
     try:
         for k in ("matmul_split", "join_agg"):
             step = programs(sdb, t, full=False)[k]
-            assert re.search(r"TRA_(EINSUM|REDUCE)_GROUP(_2)?\(", sdb.sql_text(step.program()))
+            assert re.search(r"TRA_(EINSUM|REDUCE)_GROUP(_2)?\(", sdb.engine.sql_text(step.program()))
             np.testing.assert_allclose(step.numpy(), ref[k].numpy(), rtol=1e-12, atol=1e-12, err_msg=k)
     finally:
-        sdb.group_bytes = spark_sql.GROUP_BYTES
-    assert "COLLECT_LIST(" in sdb.sql_text(programs(sdb, t, full=False)["matmul_split"].program())
+        sdb.engine.group_bytes = spark_sql.GROUP_BYTES
+    assert "COLLECT_LIST(" in sdb.engine.sql_text(programs(sdb, t, full=False)["matmul_split"].program())
 
 
 def test_spark_sql_text(sdb):
     t = load(sdb, "q")
-    text = sdb.sql_text(t["A"].retile((10, 7)).reshape(37 * 29).program())
+    text = sdb.engine.sql_text(t["A"].retile((10, 7)).reshape(37 * 29).program())
     assert "MATERIALIZED" not in text and "COLLECT_LIST(p.piece)" in text and "STRUCT(" in text and " DIV " in text
     assert "AS MATERIALIZED" in t["A"].retile((10, 7)).reshape(37 * 29).sql("duckdb")
 
 
 def persistent_rdds(db) -> set[int]:
     """Ids of the RDDs Spark keeps blocks of (local checkpoints among them)."""
-    return set(db.spark.sparkContext._jsc.getPersistentRDDs().keys())
+    return set(db.engine.spark.sparkContext._jsc.getPersistentRDDs().keys())
 
 
 def test_tensor_sql(sdb, duck):
@@ -205,7 +205,7 @@ def test_tensor_sql(sdb, duck):
     a, b = d["A"], d["B"]
     rows = sdb.sql("SELECT count(*) AS n FROM einsum('ij,jk->ik', sA, sB) AS e WHERE e.k1 = 0").collect()
     assert rows[0]["n"] == 3
-    assert not [v for v in sdb.spark.catalog.listTables() if v.name.startswith("_tra_sql")]
+    assert not [v for v in sdb.engine.spark.catalog.listTables() if v.name.startswith("_tra_sql")]
     sdb.sql("""CREATE OR REPLACE TENSOR sC AS SELECT * FROM einsum('ij,jk->ik', sA, sB, "join" => 'x0 + x1',
                                                                     agg => 'max') WHERE k0 = 0;
                CREATE OR REPLACE TENSOR sC AS SELECT * FROM einsum('ij->ij', sC, "join" => 'x0 * 2')""")
@@ -228,9 +228,9 @@ def test_tensor_sql(sdb, duck):
     with pytest.raises(tra_sql.UnknownTensorError, match="'Nope'"):
         sdb.sql("SELECT * FROM einsum('ij->i', Nope)")
     elements = [(0, 1, 2.0), (3, 2, 5.0), (3, 2, 1.0), (4, 0, -1.0)]
-    sdb.spark.createDataFrame(elements, "i int, j int, v double").createOrReplaceTempView("elems")
-    duck.con.execute("CREATE TABLE elems (i INTEGER, j INTEGER, v DOUBLE)").fetchall()
-    duck.con.executemany("INSERT INTO elems VALUES (?, ?, ?)", elements)
+    sdb.engine.spark.createDataFrame(elements, "i int, j int, v double").createOrReplaceTempView("elems")
+    duck.engine.con.execute("CREATE TABLE elems (i INTEGER, j INTEGER, v DOUBLE)").fetchall()
+    duck.engine.con.executemany("INSERT INTO elems VALUES (?, ?, ?)", elements)
     made = []
     for db in (sdb, duck):
         db.sql("""CREATE OR REPLACE TENSOR sR AS SELECT * FROM tra_random(shape => [5, 4], tile => [2, 3], seed => 7);
@@ -243,8 +243,8 @@ def test_tensor_sql(sdb, duck):
         sdb.sql("SELECT i0, i1, value FROM tra_elements(sE) WHERE value <> 0").collect(),
         duck.sql("SELECT i0, i1, value FROM tra_elements(sE) WHERE value <> 0").fetchall())]
     assert rows[0] == rows[1] and len(rows[0]) == 15  # columns 0, 3 and 4 of sE
-    sdb.spark.catalog.dropTempView("elems")
-    assert not [v for v in sdb.spark.catalog.listTables() if v.name.startswith("_tra")]
+    sdb.engine.spark.catalog.dropTempView("elems")
+    assert not [v for v in sdb.engine.spark.catalog.listTables() if v.name.startswith("_tra")]
 
 
 def test_dropout_and_training_with_it_equal_duckdb(sdb, duck):
@@ -283,15 +283,15 @@ def test_shared_steps_run_once_and_leave_nothing(sdb):
     a = np.arange(12.0).reshape(3, 4)
     shared = sdb.einsum("ij,kj->ik", sdb.from_numpy("vA", a, replace=True), "vA")
     out = sdb.einsum("ik,ik->ik", shared, sdb.einsum("ij->ij", shared, join="x0 + 1"), join="x0 * x1")
-    text = sdb.sql_text(out.program())
+    text = sdb.engine.sql_text(out.program())
     assert text.count("CREATE TEMPORARY VIEW") == 1  # the product; ``+ 1`` and the product chained
     persisted = persistent_rdds(sdb)
-    with sdb.frame(out.program()) as frame:  # the product runs in its checkpoint, which the chain reads twice
+    with sdb.engine.frame(out.program()) as frame:  # the product runs in its checkpoint, which the chain reads twice
         plan = frame._jdf.queryExecution().executedPlan().toString()
         assert plan.count("Scan ExistingRDD") == 2 and plan.count("ArrowEvalPython") == 1
     g = a @ a.T
     np.testing.assert_allclose(out.numpy(), g * (g + 1))
-    assert not [t for t in sdb.spark.catalog.listTables() if t.isTemporary]
+    assert not [t for t in sdb.engine.spark.catalog.listTables() if t.isTemporary]
     assert persistent_rdds(sdb) <= persisted
 
 
@@ -307,7 +307,7 @@ def test_store_catalog_and_drop(sdb):
     with pytest.raises(tra_sql.TensorExistsError):
         sdb.from_numpy("sC", np.zeros(3))
     sdb.drop("sC")
-    assert "sC" not in sdb.tensors() and not sdb.spark.catalog.tableExists("sC")
+    assert "sC" not in sdb.tensors() and not sdb.engine.spark.catalog.tableExists("sC")
     with pytest.raises(tra_sql.UnknownTensorError):
         sdb.tensor("sC")
 
@@ -328,8 +328,8 @@ def test_replacing_a_tensor_shows_its_new_tiles(sdb):
 
 def test_warehouse_reopens(sdb):
     sdb.from_numpy("wX", np.arange(12.0).reshape(3, 4), tile=2, replace=True)
-    sdb.spark.sql("DROP TABLE wX")  # as if a new Spark application opened the warehouse
-    again = tra_sql.connect(sdb.warehouse.root, engine="spark", spark=sdb.spark)
+    sdb.engine.spark.sql("DROP TABLE wX")  # as if a new Spark application opened the warehouse
+    again = tra_sql.connect(sdb.engine.warehouse.root, engine="spark", spark=sdb.engine.spark)
     np.testing.assert_array_equal(again.tensor("wX").numpy(), np.arange(12.0).reshape(3, 4))
 
 
@@ -339,11 +339,11 @@ def test_reopening_puts_back_a_table_a_crash_left_aside(sdb):
     x = np.arange(12.0).reshape(3, 4)
     sdb.from_numpy("wY", x, tile=2, replace=True)
     sdb.from_numpy("wZ", x, tile=2, replace=True)
-    staging = sdb.warehouse.root / "_staging"
+    staging = sdb.engine.warehouse.root / "_staging"
     staging.mkdir(exist_ok=True)
-    sdb.warehouse.path("wY").rename(staging / "0123.wy.old")
-    shutil.copytree(sdb.warehouse.path("wZ"), staging / "4567.wz.old")  # a leftover: wZ is in place
-    again = tra_sql.connect(sdb.warehouse.root, engine="spark", spark=sdb.spark)
+    sdb.engine.warehouse.path("wY").rename(staging / "0123.wy.old")
+    shutil.copytree(sdb.engine.warehouse.path("wZ"), staging / "4567.wz.old")  # a leftover: wZ is in place
+    again = tra_sql.connect(sdb.engine.warehouse.root, engine="spark", spark=sdb.engine.spark)
     np.testing.assert_array_equal(again.tensor("wY").numpy(), x)
     np.testing.assert_array_equal(again.tensor("wZ").numpy(), x)
     assert not list(staging.glob("*.old"))
@@ -363,7 +363,7 @@ def test_a_commit_cut_short_is_finished_on_resume(sdb, monkeypatch):
     class Crash(Exception):
         pass
 
-    publish, published = sdb.warehouse.publish, []
+    publish, published = sdb.engine.warehouse.publish, []
 
     def crashing(directory, name):
         if len(published) == 3:  # the second step's second table
@@ -371,7 +371,7 @@ def test_a_commit_cut_short_is_finished_on_resume(sdb, monkeypatch):
         published.append(name)
         publish(directory, name)
 
-    monkeypatch.setattr(sdb.warehouse, "publish", crashing)
+    monkeypatch.setattr(sdb.engine.warehouse, "publish", crashing)
     with pytest.raises(Crash):
         sdb.train(loss, params, SGD(lr=0.5), 2, run="cut", progress=False)
     monkeypatch.undo()
@@ -385,18 +385,18 @@ def test_a_commit_cut_short_is_finished_on_resume(sdb, monkeypatch):
     np.testing.assert_allclose(run.losses, [s[0] for s in steps], rtol=1e-10)
     np.testing.assert_allclose(sdb.tensor("lW").numpy(), steps[1][1], rtol=1e-10)
     np.testing.assert_allclose(sdb.tensor("lb").numpy(), steps[1][2], rtol=1e-10, atol=1e-14)
-    assert not list((sdb.warehouse.root / "_staging").glob("*/COMMIT.json"))
+    assert not list((sdb.engine.warehouse.root / "_staging").glob("*/COMMIT.json"))
 
 
 def test_udf_errors_keep_their_class(sdb):
     sdb.from_numpy("bad", np.ones((4, 4)), tile=2, replace=True)
-    path = sdb.warehouse.path("bad")
+    path = sdb.engine.warehouse.path("bad")
     table = pq.read_table(path)
     tiles = table.column("tile").to_pylist()
     tiles[0] = tiles[0][:-8]
     pq.write_table(table.set_column(2, "tile", pa.array(tiles, pa.large_binary())),
                            next(path.glob("*.parquet")))
-    sdb.spark.sql("REFRESH TABLE bad")
+    sdb.engine.spark.sql("REFRESH TABLE bad")
     with pytest.raises(tra_sql.CorruptTileError, match="bad"):
         sdb.einsum("ij,jk->ik", "bad", "bad").numpy()
 
@@ -411,7 +411,7 @@ def test_plan_uses_the_session_budget(sdb):
 def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     a = arrays()["A"].astype(np.float32)
     duck.from_numpy("cA", a, tile=(16, 8))
-    duck.con.execute("CREATE TABLE edges AS SELECT i AS dst, (i * 7) % 10 AS src, i / 2 AS w, 'e' || i AS label "
+    duck.engine.con.execute("CREATE TABLE edges AS SELECT i AS dst, (i * 7) % 10 AS src, i / 2 AS w, 'e' || i AS label "
                      "FROM range(100) t(i)")
     transfer.copy(duck, sdb, "cA", replace=True)
     transfer.copy(duck, sdb, "edges", replace=True)
@@ -421,8 +421,8 @@ def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
     transfer.copy(sdb, duck, "cG")
     transfer.copy(sdb, duck, "edges", to="edges2")
     np.testing.assert_allclose(duck.tensor("cG").numpy(), a @ a.T, rtol=1e-4, atol=1e-4)
-    assert duck.con.execute("SELECT * FROM edges2 EXCEPT SELECT * FROM edges").fetchall() == []
-    assert duck.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
+    assert duck.engine.con.execute("SELECT * FROM edges2 EXCEPT SELECT * FROM edges").fetchall() == []
+    assert duck.engine.con.execute("SELECT count(*) FROM edges2").fetchall() == [(100,)]
     with pytest.raises(tra_sql.TensorExistsError):
         transfer.copy(sdb, duck, "cG")
     sparse = duck.relation("edges", ("dst", "src"), "w", (100, 10), name="cS", layout="csr", tile=(40, 10))
@@ -442,7 +442,7 @@ def test_relation_and_sparse_gradient(sdb, duck):
     adjacency = np.zeros((12, 12))
     np.add.at(adjacency, (dst, src), w)
     x, w0 = rng.standard_normal((12, 5)), rng.standard_normal((5, 4))
-    duck.con.execute("CREATE TABLE redges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
+    duck.engine.con.execute("CREATE TABLE redges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
                      "unnest(?) AS w)", [dst.tolist(), src.tolist(), w.tolist()]).fetchall()
     transfer.copy(duck, sdb, "redges", replace=True)
     grads = []
@@ -472,7 +472,7 @@ def test_relation_and_sparse_gradient(sdb, duck):
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
 
 def test_cluster_equals_duckdb(cdb, duck):
-    assert cdb.executors() == 2 and cdb.budget() == (2, 512 * 2**20)
+    assert cdb.engine.executors() == 2 and cdb.engine.budget() == (2, 512 * 2**20)
     plan = cdb.plan(cdb.einsum("ij,jk->ik", *(cdb.from_numpy(f"k{n}", np.ones((64, 64)), replace=True)
                                                for n in "PQ")))
     assert (plan.workers, plan.memory) == (2, 512 * 2**20)
@@ -544,7 +544,7 @@ def test_worker_killed_mid_query(cdb, cluster):
         return tiles
 
     from pyspark.sql.functions import arrow_udf
-    cdb.spark.udf.register("tra_test_slow", arrow_udf(slow, "binary"))
+    cdb.engine.spark.udf.register("tra_test_slow", arrow_udf(slow, "binary"))
     t = load(cdb, "f")
     cdb.sql("CREATE OR REPLACE TEMPORARY VIEW f_slow AS SELECT k0, k1, tra_test_slow(tile) AS tile "
             "FROM (SELECT /*+ REPARTITION(8) */ * FROM fA)")
@@ -559,7 +559,7 @@ def test_worker_killed_mid_query(cdb, cluster):
         except Exception as err:  # noqa: BLE001 - reported below
             failure.append(err)
 
-    tracker = cdb.spark.sparkContext.statusTracker()
+    tracker = cdb.engine.spark.sparkContext.statusTracker()
 
     def stages():
         return [info for info in map(tracker.getStageInfo, tracker.getActiveStageIds()) if info is not None]
@@ -578,5 +578,5 @@ def test_worker_killed_mid_query(cdb, cluster):
         query.join(timeout=0.05)
     assert not query.is_alive() and not failure, failure
     np.testing.assert_allclose(result[0], arrays()["A"] @ arrays()["B"], rtol=1e-12)
-    assert cdb.executors() == 1
+    assert cdb.engine.executors() == 1
     assert retried, "no task was rerun"

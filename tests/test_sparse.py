@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import autodiff
 from tra_sql.udfs import sparse
 
 
@@ -15,9 +14,9 @@ def edge_table(db, rng, shape, nnz, name="edges"):
     """A table of ``nnz`` random (dst, src, w) rows, duplicates included; and its dense sum."""
     dst, src = rng.integers(0, shape[0], nnz), rng.integers(0, shape[1], nnz)
     w = rng.standard_normal(nnz)
-    db.con.register("_rows", pa.table({"dst": dst, "src": src, "w": w}))
-    db.con.execute(f'CREATE OR REPLACE TABLE "{name}" AS SELECT * FROM _rows').fetchall()
-    db.con.unregister("_rows")
+    db.engine.con.register("_rows", pa.table({"dst": dst, "src": src, "w": w}))
+    db.engine.con.execute(f'CREATE OR REPLACE TABLE "{name}" AS SELECT * FROM _rows').fetchall()
+    db.engine.con.unregister("_rows")
     dense = np.zeros(shape)
     np.add.at(dense, (dst, src), w)
     return dense
@@ -107,7 +106,7 @@ def test_csr_operands_must_share_their_entries(db, rng):
     A = db.relation("edges", ("dst", "src"), "w", (6, 6), name="A", layout="csr")
     B = db.relation("edges", ("dst", "src"), None, (6, 6), name="B", layout="csr")
     np.testing.assert_allclose(db.einsum("ab,ab->ab", A, B, join="x0 * x1").numpy(), A.numpy())
-    db.con.execute("CREATE TABLE other AS SELECT (dst + 1) % 6 AS dst, src, w FROM edges").fetchall()
+    db.engine.con.execute("CREATE TABLE other AS SELECT (dst + 1) % 6 AS dst, src, w FROM edges").fetchall()
     C = db.relation("other", ("dst", "src"), "w", (6, 6), name="C", layout="csr")
     with pytest.raises(tra_sql.ShapeError, match="different nonzero patterns"):
         db.einsum("ab,ab->ab", A, C, join="x0 * x1").numpy()
@@ -136,7 +135,7 @@ def test_gradients_through_a_csr_product_with_every_tile(db, rng):
     W, B = db.from_numpy("W", w), db.from_numpy("B", b)
     pre = db.einsum("vu,uf,fg->vg", A, db.from_numpy("X", x), W)
     H = db.einsum("vg,g->vg", pre, B, join="greatest(x0 + x1, 0)")
-    ctx = autodiff.context(db)
+    ctx = db.gradient_context()
     assert ctx.complete(A.node) and not ctx.dense(A.node) and ctx.dense(pre.node)
     loss = db.einsum("vg,vg->", H, db.einsum("vg->vg", H, join="tanh(x0)"))  # H read twice
     dW, dB = db.grad(loss, [W, B])
@@ -153,7 +152,7 @@ def test_gradient_of_relu_over_a_csr_product_with_absent_tiles(db, rng):
     bias + ReLU reads them as zeros (``tra_sql.absent``), as NumPy does on the dense arrays;
     so do its gradients."""
     dense = edge_table(db, rng, (30, 30), 120)
-    db.con.execute("DELETE FROM edges WHERE dst BETWEEN 10 AND 19").fetchall()
+    db.engine.con.execute("DELETE FROM edges WHERE dst BETWEEN 10 AND 19").fetchall()
     dense[10:20] = 0
     A = db.relation("edges", ("dst", "src"), "w", (30, 30), name="A", layout="csr", tile=(10, 30))
     x, w, b = rng.standard_normal((30, 5)), rng.standard_normal((5, 4)), rng.standard_normal(4)
@@ -193,8 +192,8 @@ def test_csr_errors(db, rng):
     with pytest.raises(tra_sql.ShapeError, match="csr"):
         A.retile((2, 2))
     assert db.einsum("vu,uf->vf", A, X).node.operands[0] is A.node    # X is re-tiled, not A
-    db.con.execute("CREATE TABLE broken AS SELECT k0, k1, tile[:20] AS tile FROM A").fetchall()
-    db.con.execute("INSERT INTO tra_tensors VALUES ('broken', 'float64', [10, 10], [5, 10], 'csr')").fetchall()
+    db.engine.con.execute("CREATE TABLE broken AS SELECT k0, k1, tile[:20] AS tile FROM A").fetchall()
+    db.engine.con.execute("INSERT INTO tra_tensors VALUES ('broken', 'float64', [10, 10], [5, 10], 'csr')").fetchall()
     with pytest.raises(tra_sql.CorruptTileError, match="'broken' is not a CSR tile"):
         db.einsum("vu,uf->vf", db.tensor("broken"), X).numpy()
     with pytest.raises(tra_sql.CorruptTileError, match="'broken'"):

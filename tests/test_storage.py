@@ -12,7 +12,7 @@ def test_round_trip_ragged(db, rng, dtype):
     array = (rng.standard_normal((13, 7, 5)) * 10).astype(dtype)
     t = db.from_numpy("T", array, tile=(4, 3, 5))
     assert t.shape == (13, 7, 5) and t.tile == (4, 3, 5) and t.dtype == np.dtype(dtype)
-    rows = db.con.execute('SELECT count(*), max(octet_length(tile)) FROM "T"').fetchall()[0]
+    rows = db.engine.con.execute('SELECT count(*), max(octet_length(tile)) FROM "T"').fetchall()[0]
     assert rows == (4 * 3 * 1, 4 * 3 * 5 * np.dtype(dtype).itemsize)
     np.testing.assert_array_equal(db.tensor("T").numpy(), array)
 
@@ -20,18 +20,18 @@ def test_round_trip_ragged(db, rng, dtype):
 def test_tiles_are_c_order_bytes_with_integer_keys(db):
     array = np.arange(12, dtype=np.float64).reshape(3, 4)
     db.from_numpy("M", array, tile=(2, 3))
-    rows = db.con.execute('SELECT k0, k1, tile FROM "M" ORDER BY k0, k1').fetchall()
+    rows = db.engine.con.execute('SELECT k0, k1, tile FROM "M" ORDER BY k0, k1').fetchall()
     assert [(k0, k1) for k0, k1, _ in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     np.testing.assert_array_equal(np.frombuffer(rows[1][2], np.float64).reshape(2, 1), array[0:2, 3:4])
     np.testing.assert_array_equal(np.frombuffer(rows[2][2], np.float64).reshape(1, 3), array[2:3, 0:3])
-    types = dict(db.con.execute("SELECT column_name, data_type FROM information_schema.columns "
+    types = dict(db.engine.con.execute("SELECT column_name, data_type FROM information_schema.columns "
                                 "WHERE table_name = 'M'").fetchall())
     assert types == {"k0": "INTEGER", "k1": "INTEGER", "tile": "BLOB"}
 
 
 def test_catalog_row(db):
     db.from_numpy("A", np.zeros((5, 3), np.float32), tile=(2, 3))
-    assert db.con.execute("SELECT * FROM tra_tensors").fetchall() == [("A", "float32", [5, 3], [2, 3], "dense")]
+    assert db.engine.con.execute("SELECT * FROM tra_tensors").fetchall() == [("A", "float32", [5, 3], [2, 3], "dense")]
     assert db.tensors() == ["A"]
 
 
@@ -63,7 +63,7 @@ def test_retile_in_sql(db, rng):
     assert moved.tile == (3, 5)
     np.testing.assert_array_equal(moved.numpy(), array)
     np.testing.assert_array_equal(moved.store("B").numpy(), array)
-    assert db.con.execute('SELECT count(*) FROM "B"').fetchall()[0][0] == 4 * 2
+    assert db.engine.con.execute('SELECT count(*) FROM "B"').fetchall()[0][0] == 4 * 2
 
 
 def test_replace(db):

@@ -120,7 +120,7 @@ def test_add_is_a_keyed_sum(db, rng):
     x, y = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
     a = db.from_numpy("A", x, tile=(2, 2))
     b = db.from_numpy("B", y, tile=(3, 3))
-    db.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0').fetchall()
+    db.engine.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0').fetchall()
     x[:2, :2] = 0
     total = db.add(a, b, a)
     assert "TRA_PLACE(" in total.program().sql(pretty=False)

@@ -118,9 +118,9 @@ def test_training_logs_losses_and_batches(db, rng):
     assert history.steps == 120 and seen == list(range(60))
     assert history.losses[-1] < 1e-3 < history.losses[0]
     np.testing.assert_allclose(w.numpy(), w_true, atol=0.02)
-    logged = db.con.execute("SELECT count(*), max(epoch) FROM tra_run_log WHERE run = 'lin'").fetchall()
+    logged = db.engine.con.execute("SELECT count(*), max(epoch) FROM tra_run_log WHERE run = 'lin'").fetchall()
     assert logged == [(60, 59)]
-    assert db.con.execute("SELECT step, epoch FROM tra_runs WHERE run = 'lin'").fetchall() == [(120, 60)]
+    assert db.engine.con.execute("SELECT step, epoch FROM tra_runs WHERE run = 'lin'").fetchall() == [(120, 60)]
 
 
 def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
@@ -204,7 +204,7 @@ def test_interrupted_run_resumes_from_the_database_file(tmp_path, rng):
         db.train(loss, params, Adam(lr=0.05), 6, run="fit", progress=False, before_step=stop)
     db.close()                                                    # the process "dies" here
     db, loss, params = session(path)                              # parameters come back from the file
-    assert db.con.execute("SELECT step FROM tra_runs").fetchall() == [(4,)]
+    assert db.engine.con.execute("SELECT step FROM tra_runs").fetchall() == [(4,)]
     history = db.train(loss, params, Adam(lr=0.05), 6, run="fit", progress=False)
     assert history.epochs == 6 and history.steps == 6
     for p, e in zip(params, expected):
@@ -216,14 +216,14 @@ def test_interrupted_run_resumes_from_the_database_file(tmp_path, rng):
 
 
 def test_sparse_gradient_keeps_untouched_rows(db, rng):
-    db.con.execute("CREATE TABLE picks AS SELECT * FROM (VALUES (0, 0), (1, 2)) t(n, row)").fetchall()
+    db.engine.con.execute("CREATE TABLE picks AS SELECT * FROM (VALUES (0, 0), (1, 2)) t(n, row)").fetchall()
     pick = db.relation("picks", ("n", "row"), shape=(2, 5))
     E = db.parameter("E", init=rng.standard_normal((5, 2)), tile=(1, 2))
     before = E.numpy()
     loss = db.einsum("nr,rd->", pick, E, join="x0 * x1 * x1")
     db.train(loss, [E], SGD(lr=0.1), 1, run="emb", progress=False)
     after = E.numpy()
-    assert db.con.execute('SELECT count(*) FROM "E"').fetchall() == [(5,)]
+    assert db.engine.con.execute('SELECT count(*) FROM "E"').fetchall() == [(5,)]
     np.testing.assert_array_equal(after[[1, 3, 4]], before[[1, 3, 4]])
     np.testing.assert_allclose(after[[0, 2]], before[[0, 2]] * (1 - 0.2))
 

@@ -53,20 +53,6 @@ def available() -> int | None:
         return None
 
 
-def memory_limit(session) -> int | None:
-    """DuckDB's ``memory_limit`` of ``session`` in bytes (None on other engines)."""
-    con = getattr(session, "con", None)
-    if con is None or not hasattr(con, "execute"):
-        return None
-    from tra_sql.decompose.cost import parse_bytes
-
-    value = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-    try:
-        return int(parse_bytes(str(value).replace(" ", "")))
-    except ValueError:
-        return None  # unlimited
-
-
 @dataclass(frozen=True)
 class Budget:
     """The bytes a session may hold: its memory_limit and MemAvailable, where known."""
@@ -76,7 +62,7 @@ class Budget:
 
     @staticmethod
     def of(session) -> Budget:
-        return Budget(memory_limit(session), available())
+        return Budget(session.engine.memory_limit(), available())
 
     @property
     def bytes(self) -> int | None:
@@ -157,5 +143,4 @@ def check_result(tensor: Tensor, method: str) -> None:
 def _holds_every_tile(tensor: Tensor) -> bool:
     if tensor.node.layout != "dense":
         return False
-    completeness = getattr(tensor.session, "completeness", None)
-    return completeness is None or completeness()(tensor.node)
+    return tensor.session.completeness()(tensor.node)

@@ -128,7 +128,7 @@ def command(db: Session, line: str, out: TextIO, err: TextIO) -> bool:
         print(HELP, file=out)
         return True
     try:
-        show(db.con.sql("SELECT * FROM tra_tensors ORDER BY name"), out)
+        show(db.engine.query("SELECT * FROM tra_tensors ORDER BY name"), out)
     except duckdb.Error as error:
         print(f"Error: .tensors: {one_line(error)}", file=err)
         return False

@@ -60,6 +60,7 @@ from sqlglot.tokens import Token, TokenType
 
 from tra_sql import absent, budget, catalog
 from tra_sql.catalog import TensorInfo
+from tra_sql.engines.duckdb import translate
 from tra_sql.errors import (
     DTypeError,
     SpecError,
@@ -68,7 +69,6 @@ from tra_sql.errors import (
     UnknownTensorError,
 )
 from tra_sql.graph import Source, topological
-from tra_sql.session import translate
 from tra_sql.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(..
 
 def ensure_functions(session: Session) -> None:
     """Register the element-level tile functions (``tra_sql.udfs.elements``)."""
-    session.ensure_udfs(["tra_tile_values", "tra_tile_ints", "tra_random_tile", "tra_pack_tile"])
+    session.engine.ensure_kernels(["tra_tile_values", "tra_tile_ints", "tra_random_tile", "tra_pack_tile"])
 
 
 # -- statements ---------------------------------------------------------------------------
@@ -387,13 +387,11 @@ class Rewriter:
     def _grad(self, call: exp.Anonymous) -> Tensor:
         """``grad(loss, W)``: the gradient of the scalar tensor ``loss`` with respect to ``W``
         (both stored tensors or nested tensor functions), a relational program itself."""
-        from tra_sql import autodiff
-
         args, _ = _arguments(call)
         if len(args) != 2:
             raise SpecError("grad() takes two tensors: grad(loss, W)")
         loss, wrt = (self.tensor(a) for a in args)
-        return autodiff.grad(self.session, loss, wrt)
+        return self.session.grad(loss, wrt)
 
     def _geometry(self, fname: str, args, options, dtype: str) -> TensorInfo:
         if "shape" in options and args:
@@ -473,7 +471,7 @@ class Rewriter:
         if self.run:
             budget.check_program(self.session, tensor.node)
         program = tensor.program()
-        self.session.ensure_udfs(program.udfs)
+        self.session.engine.ensure_kernels(program.udfs)
         select = program.query()
         used = [n.table for n in topological(tensor.node) if isinstance(n, Source) and n.table in self.literals]
         if used:
@@ -607,7 +605,7 @@ def _create(session: Session, statement: Statement, run: bool) -> str | None:
     if not run:
         return (f"-- tensor {name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}\n"
                 f'CREATE {"OR REPLACE " if replace else ""}TABLE "{name}" AS\n{sql}')
-    if catalog.table_exists(session.con, name):
+    if session.engine.object_kind(name) == "TABLE":
         if exists and name.lower() in (n.lower() for n in session.tensors()):
             return None
         if not replace:
@@ -616,7 +614,7 @@ def _create(session: Session, statement: Statement, run: bool) -> str | None:
         if any(t.name.lower() == name.lower() for t in query.find_all(exp.Table)):
             _create_via_temp(session, info, sql, replace)
         else:
-            catalog.create_tensor_table(session.con, info, sql, replace)
+            session.engine.create_table(info, sql, replace)
     except duckdb.Error as err:
         raise engine_error(err, statement.where()) from err
     return None
@@ -625,12 +623,12 @@ def _create(session: Session, statement: Statement, run: bool) -> str | None:
 def _create_via_temp(session: Session, info: TensorInfo, sql: str, replace: bool) -> None:
     """Create a tensor whose query reads the table it replaces: compute it first."""
     temp = exp.table_(exp.to_identifier(f"_tra_new_{info.name}", quoted=True), db="main", catalog="temp")
-    con = session.con
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {temp.sql(dialect='duckdb')} AS {sql}").fetchall()
+    engine = session.engine
+    engine.rows(f"CREATE OR REPLACE TEMP TABLE {temp.sql(dialect='duckdb')} AS {sql}")
     try:
-        catalog.create_tensor_table(con, info, exp.select("*").from_(temp).sql(dialect="duckdb"), replace)
+        engine.create_table(info, exp.select("*").from_(temp).sql(dialect="duckdb"), replace)
     finally:
-        con.execute(f"DROP TABLE IF EXISTS {temp.sql(dialect='duckdb')}").fetchall()
+        engine.rows(f"DROP TABLE IF EXISTS {temp.sql(dialect='duckdb')}")
 
 
 def drop_tensor(session: Session, statement: Statement, run: bool) -> str | None:
@@ -682,7 +680,7 @@ def _run_one(session: Session, statement: Statement, params, cursor: bool):
     if sql is None:
         return None
     try:
-        return session.con.execute(sql, params) if cursor else session.con.sql(sql, params=params)
+        return session.engine.execute(sql, params) if cursor else session.engine.query(sql, params)
     except duckdb.Error as err:
         raise engine_error(err, statement.where()) from err
 
@@ -711,7 +709,7 @@ def run(session: Session, text: str, params=None, *, cursor: bool = False):
     ensure_functions(session)
     if not is_extended(text):
         try:
-            return session.con.execute(text, params) if cursor else session.con.sql(text, params=params)
+            return session.engine.execute(text, params) if cursor else session.engine.query(text, params)
         except duckdb.Error as err:
             raise engine_error(err, "statement") from err
     statements = split_statements(text)

@@ -18,7 +18,9 @@ table's rows are the nonzeros of an (N, N) tensor and joins against it are ordin
 Keys must be integers in ``[0, n)``; rows outside ``shape`` are not part of the tensor.
 Rows with the same keys add up when ``sum_duplicates`` (or when blocked); otherwise each row
 is a tile of its own, which sum-of-products also adds up but which other joins see twice.
-``value=None`` means 1.0 per row (an adjacency or incidence relation).
+``value=None`` means 1.0 per row (an adjacency or incidence relation). The engine makes the
+relation (``Engine.create_relation``): DuckDB a VIEW; Spark a tensor table (a copy: later
+changes to the table do not show).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from sqlglot import exp
 
 from tra_sql import catalog
-from tra_sql.errors import ShapeError, SpecError, TensorExistsError, UnknownTensorError
+from tra_sql.errors import ShapeError, SpecError, UnknownTensorError
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -41,8 +43,8 @@ UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr")
 
 
 def ensure_udfs(db: Session) -> None:
-    """Register the UDFs relation views call (needed once per connection)."""
-    db.ensure_udfs(UDFS)
+    """Register the kernels relation views call (needed once per engine)."""
+    db.engine.ensure_kernels(UDFS)
 
 
 def _column(name: str) -> exp.Expression:
@@ -54,7 +56,7 @@ def _column(name: str) -> exp.Expression:
 def _shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
     """``max(key) + 1`` per key column."""
     select = exp.select(*[exp.Max(this=_column(k)) for k in keys]).from_(exp.to_table(table))
-    row = db.con.execute(select.sql(dialect="duckdb")).fetchall()[0]
+    row = db.engine.rows(select.sql(dialect=db.engine.dialect))[0]
     if any(v is None for v in row):
         raise ShapeError(f"relation over {table!r} is empty: give its shape")
     return tuple(int(v) + 1 for v in row)
@@ -120,26 +122,12 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     tile = relation_tile(name, shape, layout, tile)
     select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
     ensure_udfs(db)
-    con = db.con
-    con.execute("BEGIN TRANSACTION").fetchall()
-    try:
-        kind = catalog.object_kind(con, name)
-        if kind and not replace:
-            raise TensorExistsError(f"a table or view named '{name}' exists already; pass replace=True")
-        if kind:
-            con.execute(f'DROP {kind} "{name}"').fetchall()
-        con.execute(f"DELETE FROM {catalog.CATALOG_TABLE} WHERE lower(name) = lower(?)", [name]).fetchall()
-        con.execute(f'CREATE VIEW "{name}" AS {select.sql(dialect="duckdb")}').fetchall()
-        catalog.insert_row(con, catalog.TensorInfo(name, dtype, shape, tile, layout))
-        con.execute("COMMIT").fetchall()
-    except BaseException:
-        con.execute("ROLLBACK").fetchall()
-        raise
+    db.engine.create_relation(catalog.TensorInfo(name, dtype, shape, tile, layout), select, replace)
     return db.tensor(name)
 
 
 def drop_relation(db: Session, name: str) -> None:
     """Drop a relation view and its catalog row (the underlying table stays)."""
-    if catalog.object_kind(db.con, name) != "VIEW":
+    if db.engine.object_kind(name) != "VIEW":
         raise UnknownTensorError(f"no relation view named '{name}'")
-    catalog.drop_tensor(db.con, name)
+    db.engine.drop(name)

@@ -1,21 +1,23 @@
-"""``connect()`` and ``Session``: a DuckDB connection with the tra_sql catalog and UDFs."""
+"""``connect()`` and ``Session``: the user's facade over an engine (``tra_sql.engines``)."""
 
 from __future__ import annotations
 
 from math import prod
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import absent, allocator, budget, catalog, errors, graph, structure
+from tra_sql import absent, autodiff, budget, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
-from tra_sql.duckdb_errors import translate
-from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
+from tra_sql.decompose import choose
+from tra_sql.decompose.cost import Constants
+from tra_sql.decompose.plan import Plan
+from tra_sql.engines.base import Engine
+from tra_sql.engines.duckdb import DuckDBEngine
+from tra_sql.errors import TraError, UnknownTensorError
 from tra_sql.sqlgen import Program
 from tra_sql.tensor import Tensor
-from tra_sql.udfs import register_kernels
 
 
 def connect(database: str = ":memory:", *, threads: int | None = None,
@@ -24,49 +26,38 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
     """Open (or create) a tra_sql database; ``:memory:`` by default.
 
     ``engine="spark"`` runs on Spark SQL instead: ``database`` is then the warehouse
-    directory, and ``engine_options`` go to ``tra_sql.backends.spark.connect`` (``master=``,
-    ``executor_memory=``, ``config=``, ...). On glibc the process's ``malloc`` keeps freed
-    memory for the next tiles (``tra_sql.allocator``; ``TRA_SQL_MALLOC=system`` to opt out)."""
+    directory, and ``engine_options`` go to ``tra_sql.backends.spark.SparkEngine.open``
+    (``master=``, ``executor_memory=``, ``config=``, ...). On glibc the process's ``malloc``
+    keeps freed memory for the next tiles (``tra_sql.allocator``; ``TRA_SQL_MALLOC=system``
+    to opt out)."""
     if engine != "duckdb":
         if engine != "spark":
             raise TraError(f"engine={engine!r}: use 'duckdb' or 'spark'")
-        from tra_sql.backends import spark
-        return spark.connect(database, **engine_options)
+        from tra_sql.backends.spark import SparkEngine
+        return Session(SparkEngine.open(database, **engine_options))
     if engine_options:
         raise TraError(f"options {sorted(engine_options)} are for engine='spark'")
-    config = {}
-    if threads is not None:
-        config["threads"] = threads
-    if memory_limit is not None:
-        config["memory_limit"] = memory_limit
-    allocator.retain_freed_memory()
-    if not read_only:
-        catalog.remove_unwritten_database(database)
-    try:
-        con = duckdb.connect(database, read_only=read_only, config=config)
-    except duckdb.Error as err:
-        raise ExecutionError(f"cannot open database {database!r}: {err}") from None
-    return Session(con, read_only=read_only)
+    return Session(DuckDBEngine.open(database, threads=threads, memory_limit=memory_limit, read_only=read_only))
 
 
 class Session:
-    """A DuckDB connection holding tensor relations. Use ``connect()`` to make one."""
+    """Tensor relations in an engine (``tra_sql.engines``): building lazy programs over them,
+    running and storing them. Use ``connect()`` to make one."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, read_only: bool = False):
-        self.con = con
-        self._udfs: set[str] = set()
-        if not read_only:
-            catalog.ensure_catalog(con)
-        self.ensure_udfs(("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr"))  # relation views call them
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
     def close(self) -> None:
-        self.con.close()
+        self.engine.close()
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __repr__(self) -> str:
+        return f"<tra_sql session on {self.engine!r}>"
 
     # -- tensors in and out -------------------------------------------------------------
     def from_numpy(self, name: str, array, tile=None, *, replace: bool = False) -> Tensor:
@@ -83,56 +74,41 @@ class Session:
         return self._import(catalog.check_tile_table(name, tiles, shape, tile, dtype), tiles, replace)
 
     def _import(self, info: TensorInfo, tiles: pa.Table, replace: bool) -> Tensor:
-        """Store the Arrow tile table ``tiles`` as tensor ``info.name``, all or nothing."""
-        self.con.register("_tra_import", tiles)
-        try:
-            keys = ", ".join(f"k{d}::INTEGER AS k{d}" for d in range(len(info.shape)))
-            select = f"SELECT {keys}{', ' if keys else ''}tile::BLOB AS tile FROM _tra_import"
-            catalog.create_tensor_table(self.con, info, select, replace)
-        except duckdb.Error as err:
-            raise translate(err, f"storing '{info.name}'") from None
-        finally:
-            self.con.unregister("_tra_import")
+        self.engine.import_tiles(info, tiles, replace)
         return self.tensor(info.name)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> Tensor:
         """Store the tile relation ``query`` (columns ``k0..``, ``tile``; a sqlglot SELECT, any
         engine renders it) as tensor ``info.name``, all or nothing."""
-        try:
-            catalog.create_tensor_table(self.con, info, query.sql(dialect="duckdb"), replace)
-        except duckdb.Error as err:
-            raise translate(err, f"storing '{info.name}'") from None
+        self.engine.store_query(info, query, replace)
         return self.tensor(info.name)
 
     def tensor(self, name: str) -> Tensor:
         """The stored tensor relation ``name``."""
-        info = catalog.lookup(self.con, name)
+        info = self.engine.lookup(name)
         return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name, info.layout))
 
     def tensors(self) -> list[str]:
         """Names of all stored tensors."""
-        return catalog.list_tensors(self.con)
+        return self.engine.tensors()
 
     def drop(self, name: str) -> None:
         """Drop tensor relation ``name`` and its catalog row."""
-        catalog.drop_tensor(self.con, name)
+        self.engine.drop(name)
 
     def check(self, repair: bool = False) -> list[catalog.Finding]:
         """Every disagreement between the catalog and the tensor tables (a full scan of every
         tile), as ``Finding(tensor, problem, detail, repaired)``; ``repair`` deletes the
         catalog rows whose table is gone (tables without a row are only reported)."""
-        try:
-            return catalog.check(self.con, repair)
-        except duckdb.Error as err:
-            raise translate(err, "checking the catalog") from None
+        return self.engine.check(repair)
 
     def completeness(self) -> absent.Completeness:
         """Which nodes have a tile at every key, stored relations counted now."""
-        return absent.Completeness(lambda source: self.tile_count(source.table) >= prod(source.grid))
+        return self.engine.completeness()
 
     def tile_count(self, table: str) -> int:
         """Rows (tiles) of table ``table``."""
-        return self.con.execute(f'SELECT count(*) FROM "{table}"').fetchall()[0][0]
+        return self.engine.tile_count(table)
 
     # -- building programs --------------------------------------------------------------
     def _node(self, operand) -> tuple[graph.Node, str]:
@@ -211,79 +187,119 @@ class Session:
         return self.full(shape, 1, dtype, tile)
 
     # -- running ------------------------------------------------------------------------
-    def ensure_udfs(self, names) -> None:
-        """Register the named tile UDFs on this connection, once each."""
-        missing = set(names) - self._udfs
-        register_kernels(self.con, sorted(missing))
-        self._udfs |= missing
-
-    def _prepare(self, program: Program) -> None:
-        self.ensure_udfs(program.udfs)
-
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""
-        budget.check_program(self, program.root)
-        self._prepare(program)
-        try:
-            return self.con.sql(program.sql(pretty=False)).to_arrow_table()
-        except duckdb.Error as err:
-            raise translate(err, f"computing {program.root.label}") from None
+        if self.engine.in_process:
+            budget.check_program(self, program.root)
+        return self.engine.run(program)
 
-    def fetch_numpy(self, tensor: Tensor) -> np.ndarray:
+    def fetch_arrow(self, tensor: Tensor, plan: Plan | None = None) -> pa.Table:
+        """``tensor``'s tile relation, computed under ``plan`` (as written if None), in the
+        tensor's tiling (a plan may compute it in another)."""
+        if plan is None:
+            return self.run(tensor.program())
+        root = plan.apply()
+        if not plan.staged:
+            return self.run(Program.compile(graph.retile(root, tensor.tile)))
+        with self.engine.run_staged(root, plan) as table:
+            stored = graph.Source(root.shape, root.dtype, root.tile, table, root.layout)
+            return self.run(Program.compile(graph.retile(stored, tensor.tile)))
+
+    def fetch_numpy(self, tensor: Tensor, plan: Plan | None = None) -> np.ndarray:
+        """``tensor``'s tiles (computed under ``plan``) assembled into an array."""
         info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        return catalog.assemble(info, self.run(tensor.program()))
+        return catalog.assemble(info, self.fetch_arrow(tensor, plan))
 
-    def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
+    def store(self, tensor: Tensor, name: str, replace: bool = False, plan: Plan | None = None) -> Tensor:
+        """Store ``tensor`` (computed under ``plan``, staged if it is) as tensor ``name``."""
+        if plan is not None:
+            root = plan.apply()
+            if plan.staged:
+                info = TensorInfo(name, root.dtype, root.shape, root.tile, root.layout)
+                with self.engine.run_staged(root, plan) as table:
+                    self.engine.store_query(info, exp.select("*").from_(exp.to_table(table, quoted=True)), replace)
+                return self.tensor(name)
+            tensor = Tensor(self, root)
         program = tensor.program()
-        budget.check_program(self, program.root)
-        self._prepare(program)
-        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        try:
-            catalog.create_tensor_table(self.con, info, program.sql(pretty=False), replace)
-        except duckdb.Error as err:
-            raise translate(err, f"storing '{name}'") from None
+        if self.engine.in_process:
+            budget.check_program(self, program.root)
+        self.engine.store(TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout),
+                          program, replace)
         return self.tensor(name)
 
     # -- planning (see tra_sql.decompose) -----------------------------------------------
-    def plan(self, tensor: Tensor, workers: int | None = None, memory=None):
+    def plan(self, tensor: Tensor, workers: int | None = None, memory=None) -> Plan:
         """EinDecomp: the tiling of every index of ``tensor``'s program for ``workers`` workers
-        (default: DuckDB's threads) with ``memory`` each (``"2GB"``; default: memory_limit /
-        workers). Run it with ``tensor.numpy(plan=...)`` or ``store(..., plan=...)``."""
-        from tra_sql.decompose import execute
-        return execute.plan(self, tensor, workers, memory)
+        with ``memory`` each (``"2GB"``), by default the engine's (DuckDB: its threads and
+        memory_limit / workers; Spark: ``SparkEngine.budget``), with the constants of
+        ``calibrate()`` if it ran. Run it with ``tensor.numpy(plan=...)`` or ``store(..., plan=...)``."""
+        return choose.plan(self.engine, tensor, workers, memory)
 
-    def calibrate(self):
-        """Measure the planner's cost constants on this engine and machine (a few seconds);
-        they are kept in table ``tra_calibration`` and used by later plans."""
-        from tra_sql.decompose import calibrate
-        return calibrate.calibrate(self)
+    def calibrate(self) -> Constants:
+        """Measure the planner's cost constants on this engine and machine (DuckDB: a few
+        seconds, kept in table ``tra_calibration``); later plans use them."""
+        return self.engine.calibrate(self)
 
     # -- SQL with tensor syntax (see tra_sql.frontend) ----------------------------------
     def sql(self, text: str, params=None):
-        """Run ``text``: DuckDB SQL plus ``einsum(...)`` and the other tensor table functions,
+        """Run ``text``: SQL plus ``einsum(...)`` and the other tensor table functions,
         ``CREATE TENSOR`` and ``DROP TENSOR`` (see ``tra_sql.frontend``). Statements run in
-        order; the last one's result is returned as DuckDB's ``con.sql()`` gives it (a
-        relation), or ``None`` for CREATE/DROP TENSOR. ``params`` bind to the last statement."""
+        order; the last one's result is returned as the engine gives it (DuckDB: a relation,
+        as ``con.sql()``; Spark: a DataFrame), or ``None`` for CREATE/DROP TENSOR. ``params``
+        bind to the last statement."""
+        if self.engine.name == "spark":
+            from tra_sql.backends import spark_frontend
+            return spark_frontend.run(self, text, params)
         from tra_sql import frontend
         return frontend.run(self, text, params)
 
     def execute(self, text: str, params=None):
-        """Like ``sql()``, but the last statement runs through ``con.execute()``: the
+        """Like ``sql()``, but the last statement runs through DuckDB's ``con.execute()``: the
         connection is returned, ready for ``fetchall()``, ``df()``, ``arrow()``."""
         from tra_sql import frontend
         return frontend.run(self, text, params, cursor=True)
 
     def explain_sql(self, text: str) -> str:
-        """The SQL that ``sql(text)`` hands DuckDB, statement by statement."""
+        """The SQL that ``sql(text)`` hands the engine, statement by statement."""
+        if self.engine.name == "spark":
+            from tra_sql.backends import spark_frontend
+            return spark_frontend.explain(self, text)
         from tra_sql import frontend
         return frontend.explain(self, text)
 
     # -- autodiff, relations and training (see tra_sql.autodiff, .relations, .train) -----
     def grad(self, loss, wrt, seed=None):
-        """Gradients of the scalar ``loss`` with respect to ``wrt`` (a tensor or a list), as
-        lazy tensors: relational programs like any other (``.sql()`` shows them)."""
-        from tra_sql import autodiff
-        return autodiff.grad(self, loss, wrt, seed)
+        """Gradients of the scalar ``loss`` with respect to ``wrt`` (a tensor, a name, or a list
+        of them), as lazy tensors: relational programs like any other (``.sql()`` shows them)."""
+        single = not isinstance(wrt, (list, tuple))
+        nodes = [self._node(w)[0] for w in ([wrt] if single else wrt)]
+        seed_node = self._node(seed)[0] if seed is not None else None
+        result = [Tensor(self, n) for n in autodiff.gradients(self._node(loss)[0], nodes, self.gradient_context(),
+                                                              seed_node)]
+        return result[0] if single else result
+
+    def detach(self, tensor) -> Tensor:
+        """``tensor`` as a constant for differentiation (``autodiff.stop_gradient``), like
+        ``torch.Tensor.detach``."""
+        return Tensor(self, autodiff.stop_gradient(self._node(tensor)[0]))
+
+    def gradient_context(self) -> autodiff.Context:
+        """The ``autodiff.Context`` of this session: which stored relations are dense (counted
+        once each), and identity matrices stored as ``tra_eye_<n>_<dtype>``."""
+        counts: dict[str, bool] = {}
+
+        def source_dense(node: graph.Source) -> bool:
+            if node.table not in counts:
+                counts[node.table] = self.tile_count(node.table) >= prod(node.grid)
+            return counts[node.table]
+
+        def eye(n: int, dtype: np.dtype) -> graph.Node:
+            name = f"tra_eye_{n}_{np.dtype(dtype).name}"
+            if name not in self.tensors():
+                self.from_numpy(name, np.eye(n, dtype=dtype))
+            return self.tensor(name).node
+
+        return autodiff.Context(source_dense, eye)
 
     def relation(self, table: str, keys, value: str | None = None, shape=None, **options) -> Tensor:
         """View table ``table`` as a sparse tensor relation (a VIEW, no copy): one dimension per
@@ -293,10 +309,14 @@ class Session:
 
     def parameter(self, name: str, shape=None, init="glorot_uniform", **options) -> Tensor:
         """A trainable tensor: the stored ``name`` if it exists, else initialized by ``init``."""
-        from tra_sql import train
-        return train.parameter(self, name, shape, init, **options)
+        from tra_sql import parameters
+        return parameters.parameter(self, name, shape, init, **options)
 
     def train(self, loss, params, optimizer, epochs: int, **options):
-        """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see ``tra_sql.train``)."""
+        """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see ``tra_sql.train``;
+        on Spark ``tra_sql.backends.spark_train``)."""
+        if self.engine.name == "spark":
+            from tra_sql.backends import spark_train
+            return spark_train.train(self, loss, params, optimizer, epochs, **options)
         from tra_sql import train
         return train.train(self, loss, params, optimizer, epochs, **options)

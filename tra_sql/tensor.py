@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql import budget, graph, structure
+from tra_sql.decompose import choose
 from tra_sql.graph import Node, Source, topological
 from tra_sql.sqlgen import Program
 
@@ -56,10 +57,7 @@ class Tensor:
         as an Arrow table. A result this process cannot hold raises ``MemoryBudgetError``
         first (``tra_sql.budget``)."""
         budget.check_result(self, "arrow")
-        if plan is None:
-            return self.session.run(self.program())
-        from tra_sql.decompose import execute
-        return execute.arrow(self, execute.resolve(self, plan))
+        return self.session.fetch_arrow(self, None if plan is None else choose.resolve(self, plan))
 
     def numpy(self, plan=None) -> np.ndarray:
         """Run the program in the engine and assemble the tiles into an ndarray. ``plan``:
@@ -68,17 +66,12 @@ class Tensor:
         in the memory available (twice the result's bytes), else ``MemoryBudgetError`` is
         raised before anything runs (``tra_sql.budget``)."""
         budget.check_result(self, "numpy")
-        from tra_sql.decompose import execute
-        chosen = execute.resolve(self, plan)
-        return self.session.fetch_numpy(self) if chosen is None else execute.numpy(self, chosen)
+        return self.session.fetch_numpy(self, choose.resolve(self, plan))
 
     def store(self, name: str, replace: bool = False, plan=None) -> Tensor:
         """Materialize as tensor relation ``name`` (table + catalog row); all or nothing.
         ``plan``: a ``db.plan()`` to follow (staged in bands if it needs to be)."""
-        if plan is None:
-            return self.session.store(self, name, replace=replace)
-        from tra_sql.decompose import execute
-        return execute.store(self, name, replace, execute.resolve(self, plan))
+        return self.session.store(self, name, replace, None if plan is None else choose.resolve(self, plan))
 
     def retile(self, tile) -> Tensor:
         """The same tensor cut into tiles of shape ``tile`` (done in SQL)."""

@@ -1,8 +1,7 @@
-"""Training in the database: parameters, a step as SQL, and a resumable loop.
+"""Training in the database: losses, dropout, and a resumable loop.
 
-- ``parameter(db, "W1", (64, 32), init="glorot_uniform")`` stores a parameter tensor (or
-  returns the stored one, so a resumed script picks up where it stopped).
-- A step evaluates the loss, the gradients (``tra_sql.autodiff``) and the optimizer's new
+- Parameters are stored tensors (``tra_sql.parameters``; ``db.parameter``).
+- A step (``tra_sql.train_step``) evaluates the loss, the gradients (``tra_sql.autodiff``) and the optimizer's new
   weights and state (``tra_sql.optim``), shared intermediates once: in one query whose steps
   are materialized CTEs when they fit in half of DuckDB's memory_limit, else as SQL statements
   into staging tables (which spill); then, in one transaction, it copies the new values into
@@ -17,13 +16,12 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from math import ceil, prod, sqrt
+from math import ceil
 from typing import TYPE_CHECKING
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,12 +29,12 @@ import sqlglot
 from sqlglot import exp
 from tqdm.auto import tqdm
 
-from tra_sql import autodiff, catalog, graph, relations
-from tra_sql.duckdb_errors import translate
+from tra_sql import catalog, graph, relations
 from tra_sql.errors import ShapeError, SpecError, TraError
-from tra_sql.graph import Fill, Node, Source
+from tra_sql.graph import Node, Source
 from tra_sql.optim import Optimizer
-from tra_sql.sqlgen import Program, grid_table
+from tra_sql.sqlgen import grid_table
+from tra_sql.train_step import FusedOutOfMemory, Step, compile_step, run_step, scalar_value
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -47,177 +45,13 @@ STAGED = "_tra_staged"  # a fused step's rows, registered while they are committ
 LOG = "tra_run_log"
 
 
-# -- parameters ------------------------------------------------------------------------------
-def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(fan_in, fan_out) for a weight used as ``x @ W`` (inputs on the leading axes)."""
-    if len(shape) < 2:
-        n = shape[0] if shape else 1
-        return n, n
-    return prod(shape[:-1]), shape[-1]
-
-
-def initial_value(shape: tuple[int, ...], init, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
-    """An initial array: ``zeros``, ``ones``, ``normal`` (std ``scale``, default 1),
-    ``uniform`` (±``scale``, default 1), ``glorot_uniform``/``xavier_uniform``,
-    ``glorot_normal``, ``he_normal``, ``fan_in_uniform`` (±1/sqrt(fan_in), PyTorch's Linear
-    default); an array; or a function ``(rng, shape) -> array``."""
-    fan_in, fan_out = _fans(shape)
-    if callable(init):
-        return np.asarray(init(rng, shape))
-    if not isinstance(init, str):
-        array = np.asarray(init)
-        if array.shape != tuple(shape):
-            raise ShapeError(f"initial value has shape {array.shape}, expected {tuple(shape)}")
-        return array
-    s = scale
-    table = {
-        "zeros": lambda: np.zeros(shape),
-        "ones": lambda: np.ones(shape),
-        "normal": lambda: rng.standard_normal(shape) * (1.0 if s is None else s),
-        "uniform": lambda: rng.uniform(-(s or 1.0), s or 1.0, shape),
-        "glorot_uniform": lambda: rng.uniform(-1, 1, shape) * sqrt(6 / (fan_in + fan_out)),
-        "xavier_uniform": lambda: rng.uniform(-1, 1, shape) * sqrt(6 / (fan_in + fan_out)),
-        "glorot_normal": lambda: rng.standard_normal(shape) * sqrt(2 / (fan_in + fan_out)),
-        "he_normal": lambda: rng.standard_normal(shape) * sqrt(2 / fan_in),
-        "fan_in_uniform": lambda: rng.uniform(-1, 1, shape) / sqrt(fan_in),
-    }
-    if init not in table:
-        raise SpecError(f"initializer {init!r} is not one of {', '.join(table)}")
-    return table[init]()
-
-
-def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed: int = 0, dtype="float64",
-              tile=None, scale: float | None = None) -> Tensor:
-    """The parameter tensor ``name``: the stored one if it exists (a resumed run), else a new
-    one drawn by ``init`` from a generator seeded with (``seed``, the name)."""
-    if name.lower() in (t.lower() for t in db.tensors()):
-        return db.tensor(name)
-    if shape is None:
-        shape = np.shape(init)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    value = initial_value(tuple(int(n) for n in shape), init, rng, scale).astype(dtype)
-    return db.from_numpy(name, value, tile=tile)
-
-
-# -- evaluating several roots with shared intermediates ---------------------------------------
-@dataclass
-class Plan:
-    """SQL statements that store several roots into temp tables, evaluating every node
-    shared between them once (into a temp table of its own)."""
-
-    statements: list[tuple[str, str]]
-    udfs: set[str]
-    tables: dict[str, str]
-    nodes: dict[str, Node]
-    prologue: list[tuple[str, str]] = field(default_factory=list)
-    #: each table's program, prologue's and statements' in order (for engines other than DuckDB)
-    programs: dict[str, Program] = field(default_factory=dict)
-    #: one query of every root's rows (``Program.union_query``) in place of the statements, if it fits
-    fused: str | None = None
-
-
-def _consumers(roots: Sequence[Node]) -> tuple[list[Node], dict[int, int]]:
-    order: list[Node] = []
-    seen: set[int] = set()
-    uses: dict[int, int] = {}
-    for root in roots:
-        uses[id(root)] = uses.get(id(root), 0) + 1
-        for node in graph.topological(root):
-            if id(node) not in seen:
-                seen.add(id(node))
-                order.append(node)
-                for child in {id(c): c for c in node.inputs}.values():
-                    uses[id(child)] = uses.get(id(child), 0) + 1
-    return order, uses
-
-
-def _rebuild(node: Node, subst: dict[int, Node], memo: dict[int, Node]) -> Node:
-    if id(node) in subst:
-        return subst[id(node)]
-    if id(node) in memo:
-        return memo[id(node)]
-    new = graph.with_inputs(node, [_rebuild(c, subst, memo) for c in node.inputs]) if node.inputs else node
-    memo[id(node)] = new
-    return new
-
-
-def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(), fuse_bytes: float = 0) -> Plan:
-    """A ``Plan`` storing each root into temp table ``<prefix>_<key>``. Sources that are
-    ``views`` (lower-case names: relations, which pack their tiles when read) are copied into
-    temp tables by the plan's prologue, which ``execute`` runs only when asked to. If the
-    computed nodes hold at most ``fuse_bytes`` (dense), the roots are computed by the one
-    ``fused`` query instead of statements."""
-    order, uses = _consumers(list(roots.values()))
-    fits = sum(prod(n.shape) * n.dtype.itemsize for n in order if not isinstance(n, Source)) <= fuse_bytes
-    wanted = {id(n): key for key, n in roots.items()}
-    subst: dict[int, Node] = {}
-    view_subst: dict[int, Node] = {}
-    statements, prologue, udfs, tables, programs = [], [], set(), {}, {}
-    for node in order:
-        view = isinstance(node, Source) and node.table.lower() in views
-        shared = not isinstance(node, (Source, Fill)) and uses.get(id(node), 0) > 1
-        if id(node) not in wanted and not (shared or view):
-            continue
-        number = len(statements) + len(prologue)
-        table = f"{prefix}_{wanted[id(node)]}" if id(node) in wanted else f"{prefix}__s{number}"
-        if id(node) in wanted:
-            tables[wanted[id(node)]] = table
-        if fits and not view:  # computed by the fused query
-            continue
-        program = Program.compile(_rebuild(node, subst, {}))
-        (prologue if view else statements).append(
-            (table, f'CREATE OR REPLACE TEMP TABLE "{table}" AS {program.sql(pretty=False)}'))
-        udfs |= program.udfs
-        programs[table] = program
-        subst[id(node)] = Source(node.shape, node.dtype, node.tile, table, node.layout)
-        if view:
-            view_subst[id(node)] = subst[id(node)]
-    fused = None
-    if fits:
-        memo: dict[int, Node] = {}
-        results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
-        program = Program.compile(*results.values())
-        fused = program.union_query(results).sql(dialect="duckdb")
-        udfs |= program.udfs
-    return Plan(statements, udfs, tables, dict(roots), prologue, programs, fused)
-
-
-class FusedOutOfMemory(Exception):
-    """A plan's ``fused`` query ran out of memory (it wrote nothing; the staged statements may fit)."""
-
-
-def execute(db: Session, p: Plan, prologue: bool = True) -> pa.Table | None:
-    """Run a plan, after its prologue if ``prologue`` (the engine's errors become
-    ``TraError``s): its ``fused`` query, whose rows it returns, or else its statements."""
-    db.ensure_udfs(p.udfs)
-    for table, sql in (p.prologue if prologue else []) + p.statements:
-        try:
-            db.con.execute(sql).fetchall()
-        except duckdb.Error as err:
-            raise translate(err, f"computing {table}") from None
-    if p.fused:
-        try:
-            return db.con.sql(p.fused).to_arrow_table()
-        except duckdb.OutOfMemoryException:
-            raise FusedOutOfMemory from None
-        except duckdb.Error as err:
-            raise translate(err, f"computing {', '.join(p.tables)}") from None
-    return None
-
-
-def scalar_value(db: Session, table: str, dtype: np.dtype) -> float:
-    """The value of a stored scalar tensor (0 if its one tile is absent)."""
-    rows = db.con.execute(f'SELECT tile FROM "{table}"').fetchall()
-    return float(np.frombuffer(rows[0][0], dtype=dtype)[0]) if rows else 0.0
-
-
 # -- losses and metrics ------------------------------------------------------------------------
 def cross_entropy(db: Session, logits: Tensor, targets: Tensor, count: int) -> Tensor:
     """``-Σ targets · log_softmax(logits) / count`` over (rows, classes): ``targets`` is one-hot
     (or a distribution); rows whose targets are all zero (unlabeled nodes, padding) add nothing.
     Three einsums: the row max (a constant for differentiation, as it cancels), the row sum of
     ``exp(logit - max)``, and ``Σ t · (max + ln sum - logit)``."""
-    top = autodiff.detach(db, db.einsum("nc->n", logits, agg="max"))
+    top = db.detach(db.einsum("nc->n", logits, agg="max"))
     total = db.einsum("nc,n->n", logits, top, join="exp(x0 - x1)")
     return db.einsum("nc,nc,n,n->", targets, logits, top, total, join=f"x0 * (x2 + ln(x3) - x1) / {float(count)!r}")
 
@@ -274,7 +108,7 @@ class Dropout:
                                "tile": list(self.tile), "seed": seed, "dist": "uniform"})
             draw = f"tra_random_tile('{meta}', [{', '.join(columns)}])"
         relations.ensure_udfs(self.db)
-        self.db.ensure_udfs(["tra_random_tile"])
+        self.db.engine.ensure_kernels(["tra_random_tile"])
         query = query.select(exp.alias_(sqlglot.parse_one(draw, read="duckdb"), "tile"))
         self.db.store_query(catalog.TensorInfo(self.name, self.dtype, self.shape, self.tile), query, replace=True)
 
@@ -304,21 +138,21 @@ class History:
 
 
 def _ensure_tables(db: Session) -> None:
-    db.con.execute(f"CREATE TABLE IF NOT EXISTS {RUNS} (run VARCHAR PRIMARY KEY, step BIGINT, epoch BIGINT, "
-                   f"batch BIGINT, loss_sum DOUBLE, params VARCHAR, optimizer VARCHAR)").fetchall()
-    db.con.execute(f"CREATE TABLE IF NOT EXISTS {LOG} (run VARCHAR, epoch BIGINT, step BIGINT, loss DOUBLE, "
-                   f"seconds DOUBLE)").fetchall()
+    db.engine.rows(f"CREATE TABLE IF NOT EXISTS {RUNS} (run VARCHAR PRIMARY KEY, step BIGINT, epoch BIGINT, "
+                   f"batch BIGINT, loss_sum DOUBLE, params VARCHAR, optimizer VARCHAR)")
+    db.engine.rows(f"CREATE TABLE IF NOT EXISTS {LOG} (run VARCHAR, epoch BIGINT, step BIGINT, loss DOUBLE, "
+                   f"seconds DOUBLE)")
 
 
 def history(db: Session, run: str) -> History:
     """The logged epochs of ``run``."""
     _ensure_tables(db)
-    rows = db.con.execute(f"SELECT loss, seconds, step FROM {LOG} WHERE run = ? ORDER BY epoch", [run]).fetchall()
+    rows = db.engine.rows(f"SELECT loss, seconds, step FROM {LOG} WHERE run = ? ORDER BY epoch", [run])
     return History(run, [r[0] for r in rows], [r[1] for r in rows], rows[-1][2] if rows else 0)
 
 
 class Trainer:
-    """The compiled pieces of one run: per batch, a ``Plan`` computing the loss and every
+    """The compiled pieces of one run: per batch, a ``Step`` computing the loss and every
     parameter's and state tensor's new value into staging tables."""
 
     def __init__(self, db: Session, loss, params: Sequence, optimizer: Optimizer, run: str, batches: int):
@@ -337,7 +171,7 @@ class Trainer:
         dtypes = {"float32" if p.dtype == np.float32 else "float64" for p in self.params}
         self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
                              for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
-        self.plans: dict[int, Plan] = {}
+        self.plans: dict[int, Step] = {}
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
         self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
 
@@ -351,16 +185,16 @@ class Trainer:
             self.db.from_numpy(name, np.array(0.0, dtype))
         return self.db.tensor(name)
 
-    def plan(self, batch: int) -> Plan:
+    def plan(self, batch: int) -> Step:
         if batch not in self.plans:
             loss = self.loss_fn(batch)
             if loss.shape != ():
                 raise ShapeError(f"the loss must be a scalar, got shape {loss.shape}")
             self.verify(loss)
-            grads = autodiff.grad(self.db, loss, self.params)
+            grads = self.db.grad(loss, self.params)
             roots: dict[str, Node] = {"loss": loss.node}
             for name, w, g in zip(self.names, self.params, grads):
-                if not autodiff.context(self.db).complete(g.node):  # absent gradient tiles are zeros
+                if not self.db.gradient_context().complete(g.node):  # absent gradient tiles are zeros
                     g = self.db.add(g, self.db.zeros(w.shape, w.dtype, w.tile))
                 state = {slot: self.state[(name, slot)] for slot in self.optimizer.slots}
                 scalars = self.scalars["float32" if w.dtype == np.float32 else "float64"]
@@ -368,7 +202,7 @@ class Trainer:
                 for key, value in new.items():
                     target = name if key == "param" else f"{self.run}__{key}__{name}"
                     roots[target] = graph.retile(value.node, w.tile)
-            self.plans[batch] = plan(roots, self.prefix(batch), self.views(), self.fuse_bytes())
+            self.plans[batch] = compile_step(roots, self.prefix(batch), self.views(), self.fuse_bytes())
         return self.plans[batch]
 
     def verify(self, loss: Tensor) -> None:
@@ -384,25 +218,20 @@ class Trainer:
         return f"_tra_{self.run}" + (f"_b{batch}" if self.batches > 1 else "")
 
     def fuse_bytes(self) -> float:
-        """Up to how many bytes of intermediates a step runs as one query: half of DuckDB's
-        memory_limit (materialized CTEs stay in memory; staging tables spill)."""
-        if not isinstance(getattr(self.db, "con", None), duckdb.DuckDBPyConnection):
-            return 0
-        from tra_sql.decompose.cost import parse_bytes
-
-        limit = self.db.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-        return parse_bytes(str(limit).replace(" ", "")) / 2
+        """Up to how many bytes of intermediates a step runs as one query (the engine's
+        ``fuse_bytes``: on DuckDB half its memory_limit, as materialized CTEs stay in memory
+        and staging tables spill)."""
+        return self.db.engine.fuse_bytes()
 
     def views(self) -> frozenset[str]:
-        """Lower-case names of the relation views (see ``plan``)."""
-        rows = self.db.con.execute("SELECT lower(view_name) FROM duckdb_views() WHERE NOT internal").fetchall()
-        return frozenset(v[0] for v in rows)
+        """Lower-case names of the relation views (see ``compile_step``)."""
+        return self.db.engine.views()
 
     def set_scalars(self, step: int) -> None:
         for key, value in self.optimizer.scalars(step).items():
             for dtype, tensors in self.scalars.items():
                 blob = np.array(value, dtype=dtype).tobytes()
-                self.db.con.execute(f'UPDATE "{tensors[key].name}" SET tile = ?', [blob]).fetchall()
+                self.db.engine.rows(f'UPDATE "{tensors[key].name}" SET tile = ?', [blob])
 
     def step(self, batch: int, step: int) -> float:
         """Stage one step (loss, new weights and state); returns the loss. Nothing is
@@ -410,10 +239,10 @@ class Trainer:
         p = self.plan(batch)
         self.set_scalars(step)
         try:
-            rows = execute(self.db, p, prologue=batch not in self.snapshots)
+            rows = run_step(self.db, p, prologue=batch not in self.snapshots)
         except FusedOutOfMemory:  # the same roots staged in tables, which spill, from now on
-            p = self.plans[batch] = plan(p.nodes, self.prefix(batch), self.views(), fuse_bytes=0)
-            rows = execute(self.db, p)
+            p = self.plans[batch] = compile_step(p.nodes, self.prefix(batch), self.views(), fuse_bytes=0)
+            rows = run_step(self.db, p)
         self.snapshots.add(batch)
         if rows is None:
             return scalar_value(self.db, p.tables["loss"], p.nodes["loss"].dtype)
@@ -425,11 +254,11 @@ class Trainer:
         """(step, epoch, batch, loss sum) where the run stopped; a new run starts at zero. A
         run started with other parameters or another optimizer configuration is refused."""
         described = json.dumps(self.names)
-        row = self.db.con.execute(f"SELECT step, epoch, batch, loss_sum, params, optimizer FROM {RUNS} "
-                                  f"WHERE run = ?", [self.run]).fetchall()
+        row = self.db.engine.rows(f"SELECT step, epoch, batch, loss_sum, params, optimizer FROM {RUNS} "
+                                  f"WHERE run = ?", [self.run])
         if not row:
-            self.db.con.execute(f"INSERT INTO {RUNS} VALUES (?, 0, 0, 0, 0.0, ?, ?)",
-                                [self.run, described, self.optimizer.describe()]).fetchall()
+            self.db.engine.rows(f"INSERT INTO {RUNS} VALUES (?, 0, 0, 0, 0.0, ?, ?)",
+                                [self.run, described, self.optimizer.describe()])
             return 0, 0, 0, 0.0
         step, epoch, batch, loss_sum, params, optimizer = row[0]
         check_run(self.run, (params, optimizer), (described, self.optimizer.describe()))
@@ -442,46 +271,25 @@ class Trainer:
         """Swap batch ``batch``'s staged tables in, set ``fields`` of the run row and (at the
         end of an epoch) log it, in one transaction."""
         sets = ", ".join(f"{name} = ?" for name in fields)
-        con, p = self.db.con, self.plans[batch]
+        engine, p = self.db.engine, self.plans[batch]
         staged = self.staged.pop(batch, None)
-        if staged is not None:
-            con.register(STAGED, staged)
-        con.execute("BEGIN TRANSACTION").fetchall()
         try:
-            for target, table in p.tables.items():
-                if target == "loss":
-                    continue
-                con.execute(f'DELETE FROM "{target}"').fetchall()
-                if staged is None:
-                    con.execute(f'INSERT INTO "{target}" SELECT * FROM "{table}"').fetchall()
-                else:
-                    keys = "".join(f"k{d}, " for d in range(len(p.nodes[target].shape)))
-                    con.execute(f'INSERT INTO "{target}" SELECT {keys}tile FROM {STAGED} WHERE target = ?',
-                                [target]).fetchall()
-            con.execute(f"UPDATE {RUNS} SET {sets} WHERE run = ?", [*fields.values(), self.run]).fetchall()
-            if log is not None:
-                con.execute(f"INSERT INTO {LOG} VALUES (?, ?, ?, ?, ?)", [self.run] + log).fetchall()
-            con.execute("COMMIT").fetchall()
-        except BaseException as err:
-            con.execute("ROLLBACK").fetchall()
-            if isinstance(err, duckdb.Error):
-                raise translate(err, f"committing a step of run '{self.run}'") from None
-            raise
-        finally:
-            if staged is not None:
-                con.unregister(STAGED)
-
-
-def _progress_bar(db: Session, on: bool) -> bool:
-    """Switch DuckDB's own progress bar; returns whether it was on. (In Jupyter, switching it
-    on needs ipywidgets: then it stays as it is.)"""
-    was = bool(db.con.execute("SELECT current_setting('enable_progress_bar')").fetchall()[0][0])
-    if was != on:
-        try:
-            db.con.execute(f"SET enable_progress_bar = {'true' if on else 'false'}").fetchall()
-        except duckdb.Error:
-            pass
-    return was
+            with engine.registered(STAGED, staged) if staged is not None else nullcontext(), engine.transaction():
+                for target, table in p.tables.items():
+                    if target == "loss":
+                        continue
+                    engine.rows(f'DELETE FROM "{target}"')
+                    if staged is None:
+                        engine.rows(f'INSERT INTO "{target}" SELECT * FROM "{table}"')
+                    else:
+                        keys = "".join(f"k{d}, " for d in range(len(p.nodes[target].shape)))
+                        engine.rows(f'INSERT INTO "{target}" SELECT {keys}tile FROM {STAGED} WHERE target = ?',
+                                    [target])
+                engine.rows(f"UPDATE {RUNS} SET {sets} WHERE run = ?", [*fields.values(), self.run])
+                if log is not None:
+                    engine.rows(f"INSERT INTO {LOG} VALUES (?, ?, ?, ?, ?)", [self.run] + log)
+        except engine.Error as err:
+            raise engine.translate(err, f"committing a step of run '{self.run}'") from None
 
 
 def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run: str = "run",
@@ -498,11 +306,8 @@ def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int
     """
     relations.ensure_udfs(db)
     _ensure_tables(db)
-    engine_bar = _progress_bar(db, False)  # one bar: ours
-    try:
+    with db.engine.settings(enable_progress_bar=False):  # one bar: ours (in Jupyter DuckDB's may stay)
         return loop(Trainer(db, loss, params, optimizer, run, batches), epochs, before_step, on_epoch, progress)
-    finally:
-        _progress_bar(db, engine_bar)
 
 
 def check_run(run: str, stored: tuple[str, str], given: tuple[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""Spark SQL as the engine: ``tra_sql.connect(engine="spark", master=...)``.
+"""Spark SQL as the engine (``SparkEngine``): ``tra_sql.connect(engine="spark", master=...)``.
 
 The pipeline is DuckDB's: the same lazy graph, the same ``Program`` of sqlglot expressions
 rendered in Spark's dialect (``COLLECT_LIST(STRUCT(...))`` for ``ARRAY_AGG({...})``, ``DIV`` for
@@ -16,29 +16,32 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlglot import exp
 
-from tra_sql import catalog, errors, graph, relations
-from tra_sql.backends import spark_udfs
+from tra_sql import errors
+from tra_sql.backends import spark_calibrate, spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, Steps, spark_steps
 from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
-from tra_sql.decompose.cost import Constants
+from tra_sql.decompose.cost import Constants, parse_bytes
+from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, TraError
-from tra_sql.session import Session
 from tra_sql.sqlgen import Program
-from tra_sql.tensor import Tensor
 
 #: One kernel thread per task: Spark runs one task per core.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
-class DuckDBOnlyError(ExecutionError, AttributeError):
+DUCKDB_ONLY = ("this is a Spark session: the feature you used runs on DuckDB only so far "
+               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...))")
+
+
+class DuckDBOnlyError(ExecutionError):
     """A DuckDB-only feature was used on a Spark session."""
 
 
@@ -48,34 +51,6 @@ def jvm_bytes(text: str) -> float:
     if not match:
         raise errors.SpecError(f"cannot read {text!r} as a JVM memory size (e.g. '512m', '2g')")
     return float(int(match.group(1)) << (10 * " kmgt".index(match.group(2) or " ")))
-
-
-def connect(warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
-            driver_memory: str = "1g", executor_memory: str = "1g", executor_cores: int | None = None,
-            config: dict | None = None, spark=None) -> SparkTraSession:
-    """A tra_sql session on Spark. ``master``: ``local[N]`` or ``spark://host:port``;
-    ``warehouse``: the directory holding the tensor tables (a temporary one, removed on
-    ``close()``, if None or ``":memory:"``); ``config``: more Spark settings. ``spark``: use
-    this running ``pyspark.sql.SparkSession`` instead of starting one (it is not stopped on
-    ``close()``; its static settings are its own, and Arrow large binary types are switched
-    on in it)."""
-    try:
-        import pyspark  # noqa: F401
-    except ImportError:
-        raise TraError("engine='spark' needs pyspark and Java 17: pip install pyspark==4.3.0") from None
-    temporary = warehouse in (None, ":memory:")
-    root = Path(tempfile.mkdtemp(prefix="tra_spark_") if temporary else os.fspath(warehouse)).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    owns = spark is None
-    if owns:
-        spark = _start(master, app_name, root, driver_memory, executor_memory, executor_cores, dict(config or {}))
-    spark.conf.set("spark.sql.execution.arrow.useLargeVarTypes", "true")
-    try:
-        return SparkTraSession(spark, root, owns=owns, temporary=temporary)
-    except BaseException:
-        if owns:
-            spark.stop()
-        raise
 
 
 def _start(master, app_name, root: Path, driver_memory, executor_memory, executor_cores, config: dict):
@@ -117,30 +92,51 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
     return spark
 
 
-class SparkTraSession(Session):
-    """Tensor relations in a Spark warehouse; programs run as Spark SQL. Use
-    ``tra_sql.connect(engine="spark", ...)`` to make one. Building programs, ``numpy()``,
-    ``arrow()``, ``store()``, ``grad()``, ``parameter()`` and ``train()`` work as on DuckDB;
-    ``relation()`` copies; ``sql()`` runs Spark SQL with the tensor syntax."""
+class SparkEngine(Engine):
+    """Tensor relations in a Spark warehouse; programs run as Spark SQL. ``connect(engine=
+    "spark", ...)`` opens one (``open``). Relations are copies (tensor tables); what Spark
+    does not run (staged plans, transactions, ``check``, ``execute``) raises ``DuckDBOnlyError``."""
 
-    engine = "spark"
+    name: ClassVar[str] = "spark"
+    dialect: ClassVar[str] = "spark"
 
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
+        super().__init__()
         self.spark = spark
         self.warehouse = Warehouse(root, spark)
         self._owns = owns
         self._temporary = temporary
-        self._udfs: set[str] = set()
         #: fused join + aggregate steps whose groups hold more tile bytes than this run as a
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
-        #: the planner's cost constants: measured by ``calibrate()``, else the defaults
-        self.constants: Constants | None = None
+        self._constants: Constants | None = None  # measured by ``calibrate()``
 
-    @property
-    def con(self):
-        raise DuckDBOnlyError("this is a Spark session: the feature you used runs on DuckDB only so far "
-                              "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...))")
+    @classmethod
+    def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
+             driver_memory: str = "1g", executor_memory: str = "1g", executor_cores: int | None = None,
+             config: dict | None = None, spark=None) -> SparkEngine:
+        """Spark for tra_sql. ``master``: ``local[N]`` or ``spark://host:port``; ``warehouse``:
+        the directory holding the tensor tables (a temporary one, removed on ``close()``, if
+        None or ``":memory:"``); ``config``: more Spark settings. ``spark``: use this running
+        ``pyspark.sql.SparkSession`` instead of starting one (it is not stopped on ``close()``;
+        its static settings are its own, and Arrow large binary types are switched on in it)."""
+        try:
+            import pyspark  # noqa: F401
+        except ImportError:
+            raise TraError("engine='spark' needs pyspark and Java 17: pip install pyspark==4.3.0") from None
+        temporary = warehouse in (None, ":memory:")
+        root = Path(tempfile.mkdtemp(prefix="tra_spark_") if temporary else os.fspath(warehouse)).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        owns = spark is None
+        if owns:
+            spark = _start(master, app_name, root, driver_memory, executor_memory, executor_cores, dict(config or {}))
+        spark.conf.set("spark.sql.execution.arrow.useLargeVarTypes", "true")
+        try:
+            return cls(spark, root, owns=owns, temporary=temporary)
+        except BaseException:
+            if owns:
+                spark.stop()
+            raise
 
     def close(self) -> None:
         if self._owns:
@@ -151,79 +147,15 @@ class SparkTraSession(Session):
     def __repr__(self) -> str:
         return f"<tra_sql Spark session {self.spark.sparkContext.master} warehouse={self.warehouse.root}>"
 
-    # -- tensors in and out -------------------------------------------------------------
-    def from_numpy(self, name: str, array, tile=None, *, replace: bool = False) -> Tensor:
-        """Store ``array`` as tensor relation ``name`` cut into tiles of shape ``tile``."""
-        catalog.check_name(name)
-        array = np.asarray(array)
-        info = TensorInfo(name, catalog.check_dtype(array.dtype), array.shape,
-                          catalog.check_tile(array.shape, tile, name))
-        tiles = catalog.tile_table(array, info.tile)
-        self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
-        return self.tensor(name)
+    def register_kernels(self, kernels: list) -> None:
+        spark_udfs.register(self.spark, kernels)
 
-    def from_arrow(self, name: str, tiles: pa.Table, shape, tile, dtype, *, replace: bool = False) -> Tensor:
-        """Store an Arrow tile relation (columns ``k0..``, ``tile``) as tensor ``name``;
-        every tile is checked against ``shape``, ``tile`` and ``dtype`` first."""
-        info = catalog.check_tile_table(name, tiles, shape, tile, dtype)
-        tiles = tiles.cast(tile_schema(len(info.shape)))
-        self.warehouse.create(name, lambda d: write_parquet(tiles, d), info, replace)
-        return self.tensor(name)
+    def translate(self, err: BaseException, what: str) -> TraError:
+        return spark_udfs.translate(err, what)
 
-    def tensor(self, name: str) -> Tensor:
-        """The stored tensor relation ``name``."""
-        info = self.warehouse.lookup(name)
-        return Tensor(self, graph.Source(info.shape, info.dtype, info.tile, info.name, info.layout))
-
-    def tensors(self) -> list[str]:
-        return self.warehouse.tensors()
-
-    def drop(self, name: str) -> None:
-        """Drop tensor relation ``name`` and its catalog row."""
-        self.warehouse.drop(self.warehouse.lookup(name).name)
-
-    def tile_count(self, table: str) -> int:
-        """Rows (tiles) of table ``table``: from the Parquet footers of a warehouse table, else
-        counted by Spark."""
-        files = list(self.warehouse.path(table).glob("*.parquet"))
-        if files:
-            return sum(pq.read_metadata(f).num_rows for f in files)
-        return self.spark.table(quote(table)).count()
-
-    def relation(self, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
-                 dtype="float64", tile=None, sum_duplicates: bool = False, replace: bool = False,
-                 layout: str = "dense") -> Tensor:
-        """``tra_sql.relations.relation`` on Spark: the tensor relation of Spark table ``table``,
-        written as a tensor table (a copy: later changes to ``table`` do not show)."""
-        keys = (keys,) if isinstance(keys, str) else tuple(keys)
-        dtype = catalog.check_dtype(dtype)
-        name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
-        if not keys or dtype.name not in relations.PACK or name.lower() == table.lower():
-            raise errors.SpecError(f"relation {name!r}: give key columns, a float dtype, and a name other "
-                                   f"than the table's")
-        if shape is None:
-            top = self.spark.table(quote(table)).selectExpr(*(f"max({quote(k)})" for k in keys)).first()
-            if any(v is None for v in top):
-                raise errors.ShapeError(f"relation over {table!r} is empty: give its shape")
-            shape = [v + 1 for v in top]
-        shape = tuple(int(n) for n in shape)
-        if len(shape) != len(keys):
-            raise errors.ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
-        tile = relations.relation_tile(name, shape, layout, tile)
-        select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
-        udfs = {c.name.lower() for c in select.find_all(exp.Anonymous)}
-        self.ensure_udfs(udfs)
-        return self.store_query(TensorInfo(name, dtype, shape, tile, layout), select, replace)
-
-    # -- running ------------------------------------------------------------------------
-    def ensure_udfs(self, names) -> None:
-        """Register the named tile UDFs on this Spark session, once each."""
-        missing = set(names) - self._udfs
-        spark_udfs.register(self.spark, sorted(missing))
-        self._udfs |= missing
-
+    # -- programs and statements --------------------------------------------------------
     def sql_text(self, program: Program) -> str:
-        """The Spark SQL this session runs for ``program`` (see ``spark_sql``)."""
+        """The Spark SQL this engine runs for ``program`` (see ``spark_sql``)."""
         return spark_steps(program, self.group_bytes).text()
 
     @contextmanager
@@ -233,7 +165,7 @@ class SparkTraSession(Session):
         when first read, and kept by the executors; a cached plan would instead carry its
         whole lineage into every plan that reads it). On exit the views are dropped and the
         checkpoints' blocks freed."""
-        self.ensure_udfs(steps.udfs)
+        self.ensure_kernels(steps.udfs)
         checkpoints = []
         try:
             try:
@@ -259,24 +191,20 @@ class SparkTraSession(Session):
         return self.steps(spark_steps(program, self.group_bytes), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
-        """Execute a program; its tile relation as an Arrow table."""
         with self.frame(program) as frame:
             try:
                 return frame.toArrow()
             except Exception as err:
                 raise spark_udfs.translate(err, f"computing {program.root.label}") from None
 
-    def store(self, tensor: Tensor, name: str, replace: bool = False) -> Tensor:
-        info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        with self.frame(tensor.program()) as frame:
-            return self._write(info, lambda: frame, replace)
+    def store(self, info: TensorInfo, program: Program, replace: bool = False) -> None:
+        with self.frame(program) as frame:
+            self._write(info, lambda: frame, replace)
 
-    def store_query(self, info: TensorInfo, query, replace: bool = False) -> Tensor:
-        """Store the tile relation ``query`` (a sqlglot SELECT of ``k0..``, ``tile``, rendered
-        in Spark's dialect) as tensor ``info.name``."""
-        return self._write(info, lambda: self.spark.sql(query.sql(dialect="spark")), replace)
+    def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:
+        self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
 
-    def _write(self, info: TensorInfo, frame, replace: bool) -> Tensor:
+    def _write(self, info: TensorInfo, frame, replace: bool) -> None:
         """Write the DataFrame ``frame()`` as tensor ``info.name`` (Spark's errors as ``TraError``s)."""
         try:
             rows = frame()
@@ -285,27 +213,59 @@ class SparkTraSession(Session):
             raise
         except Exception as err:
             raise spark_udfs.translate(err, f"storing '{info.name}'") from None
-        return self.tensor(info.name)
 
-    def train(self, loss, params, optimizer, epochs: int, **options):
-        """Minimize ``loss`` over ``params`` with ``optimizer``, resumably (see
-        ``tra_sql.backends.spark_train``)."""
-        from tra_sql.backends import spark_train
-        return spark_train.train(self, loss, params, optimizer, epochs, **options)
+    def import_tiles(self, info: TensorInfo, tiles: pa.Table, replace: bool = False) -> None:
+        tiles = tiles.cast(tile_schema(len(info.shape)))
+        self.warehouse.create(info.name, lambda d: write_parquet(tiles, d), info, replace)
 
-    def sql(self, text: str, params=None):
-        """Run Spark SQL with the tensor syntax of DuckDB sessions (the tensor table
-        functions, CREATE/DROP TENSOR; see ``spark_frontend``); the last statement's result,
-        a Spark DataFrame (``None`` for CREATE/DROP TENSOR)."""
-        from tra_sql.backends import spark_frontend
-        return spark_frontend.run(self, text, params)
+    def create_relation(self, info: TensorInfo, select: exp.Select, replace: bool = False) -> None:
+        """A relation on Spark is a copy: ``select`` written as a tensor table (later changes
+        to the table it reads do not show)."""
+        self.store_query(info, select, replace)
 
-    def explain_sql(self, text: str) -> str:
-        """The Spark SQL that ``sql(text)`` runs, statement by statement."""
-        from tra_sql.backends import spark_frontend
-        return spark_frontend.explain(self, text)
+    def query(self, sql: str, params=None):
+        return self.spark.sql(sql, args=params)
+
+    def rows(self, sql: str, params=None) -> list[tuple]:
+        return [tuple(row) for row in self.spark.sql(sql, args=params).collect()]
+
+    def arrow(self, sql: str) -> pa.Table:
+        return self.spark.sql(sql).toArrow()
+
+    def execute(self, sql: str, params=None):
+        raise DuckDBOnlyError(DUCKDB_ONLY)
+
+    def transaction(self):
+        raise DuckDBOnlyError(DUCKDB_ONLY)
+
+    def run_staged(self, root, plan):
+        raise DuckDBOnlyError(DUCKDB_ONLY)
+
+    # -- the catalog --------------------------------------------------------------------
+    def lookup(self, name: str) -> TensorInfo:
+        return self.warehouse.lookup(name)
+
+    def tensors(self) -> list[str]:
+        return self.warehouse.tensors()
+
+    def drop(self, name: str) -> None:
+        self.warehouse.drop(self.warehouse.lookup(name).name)
+
+    def check(self, repair: bool = False):
+        raise DuckDBOnlyError(DUCKDB_ONLY)
+
+    def tile_count(self, table: str) -> int:
+        """Rows (tiles) of table ``table``: from the Parquet footers of a warehouse table, else
+        counted by Spark."""
+        files = list(self.warehouse.path(table).glob("*.parquet"))
+        if files:
+            return sum(pq.read_metadata(f).num_rows for f in files)
+        return self.spark.table(quote(table)).count()
 
     # -- cluster resources, for the planner ---------------------------------------------
+    def memory_limit(self) -> int | None:
+        return None  # the executors' memory is not this process's
+
     def executors(self) -> int:
         """Executors registered now (local mode: 1, the driver)."""
         sc = self.spark.sparkContext
@@ -339,20 +299,14 @@ class SparkTraSession(Session):
             per_executor = per_executor or max(1, cores // max(1, executors))
             heap = conf.get("spark.executor.memory", "1g")
         if memory is not None:
-            from tra_sql.decompose.cost import parse_bytes
             return int(workers or cores), parse_bytes(memory)
         return int(workers or cores), jvm_bytes(heap) / per_executor
 
-    def plan(self, tensor: Tensor, workers: int | None = None, memory=None):
-        """EinDecomp for this Spark application (see ``budget()``), with the constants of
-        ``calibrate()`` if it ran, else the defaults."""
-        from tra_sql.decompose.plan import make_plan
-        workers, per_worker = self.budget(workers, memory)
-        return make_plan(tensor.node, workers, per_worker, self.constants or Constants())
+    def constants(self) -> Constants | None:
+        return self._constants
 
-    def calibrate(self) -> Constants:
+    def calibrate(self, session) -> Constants:
         """Measure the planner's cost constants on this application's executors (see
-        ``spark_calibrate``); later ``plan()`` calls of this session use them."""
-        from tra_sql.backends import spark_calibrate
-        self.constants = spark_calibrate.calibrate(self)
-        return self.constants
+        ``spark_calibrate``); later plans of this session use them."""
+        self._constants = spark_calibrate.calibrate(session)
+        return self._constants

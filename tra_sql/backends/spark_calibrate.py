@@ -1,4 +1,4 @@
-"""The planner's cost constants measured on a Spark application (``SparkTraSession.calibrate``).
+"""The planner's cost constants measured on a Spark application (``SparkEngine.calibrate``).
 
 On Spark the model's per-statement and per-byte terms are a job's latency and the traffic of
 shuffles, Arrow transfers to the Python workers and Parquet. Three element-wise einsums on
@@ -25,7 +25,7 @@ def _seconds(db, tensor) -> float:
     """The fastest of two runs after a warm-up."""
     def run():
         start = time.perf_counter()
-        with db.frame(tensor.program()) as frame:
+        with db.engine.frame(tensor.program()) as frame:
             frame.write.format("noop").mode("overwrite").save()
         return time.perf_counter() - start
 
@@ -47,7 +47,7 @@ def calibrate(db) -> Constants:
     byte = max(t["bytes"] - stmt, 0.0) / nbytes
     rows = (2048 // 64) ** 2 - (2048 // 1024) ** 2
     row = max(t["rows"] - t["bytes"], 0.0) / rows
-    workers, _ = db.budget()
+    workers, _ = db.engine.budget()
     measured = {"stmt": stmt, "row": row, "group": row, "join_byte": byte, "list_byte": byte, "out_byte": byte,
                 "place_byte": byte, "scan_byte": byte, "threads": workers}
     return Constants.from_dict({**Constants().as_dict(), **duckdb_calibrate.kernels(), **measured})

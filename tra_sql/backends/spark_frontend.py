@@ -6,7 +6,7 @@
 name`` and ``EXPLAIN <statement>``. A statement with tensor syntax is read in DuckDB's
 dialect (the syntax is the same on both engines) and rendered in Spark's by sqlglot. Each
 tensor function in FROM is computed when the statement runs (its program's steps as
-``SparkTraSession.frame`` runs them, the result kept as a local checkpoint) and read through
+``SparkEngine.frame`` runs them, the result kept as a local checkpoint) and read through
 a temporary view, dropped once Spark has analyzed the statement; the rest of a SELECT stays
 lazy: the result is a Spark DataFrame. The tiles of ``tra_random`` and
 ``tra_from_elements`` are temporary views too (lazy: read by the program that uses them).
@@ -29,7 +29,7 @@ from tra_sql.graph import Source, topological
 from tra_sql.tensor import Tensor
 
 if TYPE_CHECKING:
-    from tra_sql.backends.spark import SparkTraSession
+    from tra_sql.session import Session
 
 DIALECT = "spark"
 LITERAL_UDFS = ["tra_random_tile", "tra_pack_tile"]  # what tra_random(...) and tra_from_elements(...) call
@@ -39,7 +39,7 @@ class SparkRewriter(frontend.Rewriter):
     """Rewrites a statement's tensor functions into temporary views of their computed tile
     relations (with ``explain``: views named but not computed, their scripts kept)."""
 
-    def __init__(self, session: SparkTraSession, explain: bool = False):
+    def __init__(self, session: Session, explain: bool = False):
         super().__init__(session)
         self.explain = explain
         self.views: dict[str, str] = {}  # view name -> the Spark script computing it (kept with explain)
@@ -52,13 +52,13 @@ class SparkRewriter(frontend.Rewriter):
                     if isinstance(n, Source) and n.table in self.literals}
         if self.explain:
             self.views |= {table: select.sql(dialect=DIALECT) for table, select in literals.items()}
-            self.views[name] = self.session.sql_text(program)
+            self.views[name] = self.session.engine.sql_text(program)
             return exp.select("*").from_(exp.to_table(name))
         for table, select in literals.items():  # tra_random(...), tra_from_elements(...): views first
-            self.session.ensure_udfs(LITERAL_UDFS)
+            self.session.engine.ensure_kernels(LITERAL_UDFS)
             plain(self.session, select.sql(dialect=DIALECT)).createOrReplaceTempView(table)
             self.views[table] = ""
-        with self.session.frame(program) as frame:
+        with self.session.engine.frame(program) as frame:
             try:
                 checkpoint = frame.localCheckpoint(eager=True)
             except Exception as err:
@@ -71,7 +71,7 @@ class SparkRewriter(frontend.Rewriter):
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)`` as on DuckDB, its two ``unnest`` (values, positions) one
         ``posexplode`` on Spark."""
-        self.session.ensure_udfs(["tra_tile_values", "tra_tile_ints"])
+        self.session.engine.ensure_kernels(["tra_tile_values", "tra_tile_ints"])
 
         def unnest(e: exp.Expression) -> bool:
             return isinstance(e, exp.Alias) and isinstance(e.this, exp.Anonymous) and e.this.name.lower() == "unnest"
@@ -91,21 +91,21 @@ class SparkRewriter(frontend.Rewriter):
         with ``free``, also the checkpoints' blocks (the statement is done with them)."""
         if not self.explain:
             for name in self.views:
-                self.session.spark.catalog.dropTempView(name)
+                self.session.engine.spark.catalog.dropTempView(name)
         if free:
             for rdd in self.checkpoints:
                 rdd.unpersist(False)
 
 
-def plain(session: SparkTraSession, text: str, params=None):
+def plain(session: Session, text: str, params=None):
     """Spark SQL as it is; a DataFrame."""
     try:
-        return session.spark.sql(text, args=params)
+        return session.engine.spark.sql(text, args=params)
     except Exception as err:
         raise spark_udfs.translate(err, "SQL") from None
 
 
-def _select(session: SparkTraSession, statement: Statement, params):
+def _select(session: Session, statement: Statement, params):
     rewriter = SparkRewriter(session)
     try:
         return plain(session, rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect=DIALECT), params)
@@ -113,9 +113,9 @@ def _select(session: SparkTraSession, statement: Statement, params):
         rewriter.drop_views()
 
 
-def _create(session: SparkTraSession, statement: Statement) -> None:
+def _create(session: Session, statement: Statement) -> None:
     create = CreateTensor.of(statement)
-    if session.warehouse.exists(create.name):
+    if session.engine.warehouse.exists(create.name):
         if create.if_not_exists and create.name.lower() in (n.lower() for n in session.tensors()):
             return
         if not create.replace:
@@ -129,7 +129,7 @@ def _create(session: SparkTraSession, statement: Statement) -> None:
         rewriter.drop_views(free=True)
 
 
-def rewritten(session: SparkTraSession, statement: Statement) -> str:
+def rewritten(session: Session, statement: Statement) -> str:
     """What ``statement`` runs as: each tensor function's Spark script, then the statement."""
     if statement.kind == "explain":
         return rewritten(session, frontend.explained(statement))
@@ -147,14 +147,14 @@ def rewritten(session: SparkTraSession, statement: Statement) -> str:
     return "".join(f"-- {name}, computed first:\n{script};\n\n" for name, script in rewriter.views.items()) + main
 
 
-def _run_one(session: SparkTraSession, statement: Statement, params):
+def _run_one(session: Session, statement: Statement, params):
     kind = statement.kind
     if kind == "plain":
         return plain(session, statement.text, params)
     if kind == "explain":
         if frontend.explained(statement).kind == "plain":
             return plain(session, statement.text, params)
-        return session.spark.createDataFrame([(rewritten(session, statement),)], "rewritten_sql string")
+        return session.engine.spark.createDataFrame([(rewritten(session, statement),)], "rewritten_sql string")
     if kind == "create":
         return _create(session, statement)
     if kind == "drop":
@@ -162,7 +162,7 @@ def _run_one(session: SparkTraSession, statement: Statement, params):
     return _select(session, statement, params)
 
 
-def run(session: SparkTraSession, text: str, params=None):
+def run(session: Session, text: str, params=None):
     """Run every statement of ``text``; the last one's result (a DataFrame, or ``None`` for
     CREATE/DROP TENSOR)."""
     if not frontend.is_extended(text):
@@ -177,7 +177,7 @@ def run(session: SparkTraSession, text: str, params=None):
     return result
 
 
-def explain(session: SparkTraSession, text: str) -> str:
+def explain(session: Session, text: str) -> str:
     """The Spark SQL that ``run`` would run for each statement of ``text``."""
     out = []
     for statement in frontend.split_statements(text):

@@ -1,6 +1,6 @@
 """Training on Spark: ``tra_sql.train``'s steps with the warehouse for tables.
 
-A step computes the roots of the same ``train.Plan`` as on DuckDB (the loss, the optimizer's
+A step computes the roots of the same ``train_step.Step`` as on DuckDB (the loss, the optimizer's
 new weights and state) in one write: one query of every root's rows over the step's views
 (``spark_sql.spark_union_steps``; the views that several steps read are local checkpoints,
 so shared nodes run once) written with ``partitionBy("target")`` to
@@ -42,12 +42,12 @@ LOG_SCHEMA = pa.schema([("run", pa.string()), ("epoch", pa.int64()), ("step", pa
 
 def rows(db, table: str, schema: pa.Schema) -> list[dict]:
     """The rows of a small warehouse table (none if it does not exist)."""
-    path = db.warehouse.path(table)
+    path = db.engine.warehouse.path(table)
     return pq.read_table(path, schema=schema).to_pylist() if path.exists() else []
 
 
 def write_rows(db, table: str, schema: pa.Schema, values: list[dict]) -> None:
-    db.warehouse.create(table, lambda d: write_parquet(pa.Table.from_pylist(values, schema), d), replace=True)
+    db.engine.warehouse.create(table, lambda d: write_parquet(pa.Table.from_pylist(values, schema), d), replace=True)
 
 
 def history(db, run: str) -> core.History:
@@ -65,7 +65,7 @@ class SparkTrainer(core.Trainer):
         self.queries: dict[int, Steps] = {}
 
     def staging(self, batch: int):
-        return self.db.warehouse.root / "_staging" / self.prefix(batch)
+        return self.db.engine.warehouse.root / "_staging" / self.prefix(batch)
 
     def views(self) -> frozenset[str]:
         return frozenset()  # relations on Spark are tables
@@ -78,11 +78,12 @@ class SparkTrainer(core.Trainer):
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
         if batch not in self.queries:
-            self.queries[batch] = spark_union_steps(Program.compile(*p.nodes.values()), p.nodes, self.db.group_bytes)
+            self.queries[batch] = spark_union_steps(Program.compile(*p.nodes.values()), p.nodes,
+                                                    self.db.engine.group_bytes)
         self.set_scalars(step)
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)
-        with self.db.steps(self.queries[batch], f"step {step} of run '{self.run}'") as frame:
+        with self.db.engine.steps(self.queries[batch], f"step {step} of run '{self.run}'") as frame:
             try:
                 frame.write.partitionBy("target").parquet(str(staging))
             except Exception as err:
@@ -116,7 +117,7 @@ class SparkTrainer(core.Trainer):
         for target in targets:  # every target gets a directory: one missing later was published
             directory = staging / f"target={target}"
             if not directory.exists():
-                self.db.warehouse.empty_tiles(target, directory)
+                self.db.engine.warehouse.empty_tiles(target, directory)
         entry = {"targets": targets, "run": self.row | fields,
                  "log": None if log is None else dict(zip(LOG_SCHEMA.names, [self.run] + log))}
         written = staging / f".{JOURNAL}.tmp"
@@ -129,7 +130,7 @@ class SparkTrainer(core.Trainer):
         idempotent), then remove ``staging`` and the journal in it."""
         for target in entry["targets"]:
             if (staging / f"target={target}").exists():
-                self.db.warehouse.publish(staging / f"target={target}", target)
+                self.db.engine.warehouse.publish(staging / f"target={target}", target)
         self.row = entry["run"]
         runs = [r for r in rows(self.db, core.RUNS, RUN_SCHEMA) if r["run"] != self.run]
         write_rows(self.db, core.RUNS, RUN_SCHEMA, runs + [self.row])

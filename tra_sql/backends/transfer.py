@@ -20,16 +20,12 @@ from tra_sql.catalog import TensorInfo
 from tra_sql.errors import ExecutionError, TensorExistsError, TraError, UnknownTensorError
 
 
-def engine(session) -> str:
-    return getattr(session, "engine", "duckdb")
-
-
 def copy(src, dst, name: str, *, to: str | None = None, replace: bool = False) -> str:
     """Copy table ``name`` of session ``src`` to session ``dst`` as ``to`` (default: the same
     name); a tensor relation keeps its catalog row. Returns the new table's name."""
     to = to or name
     catalog.check_name(to)
-    route = (engine(src), engine(dst))
+    route = (src.engine.name, dst.engine.name)
     if route == ("duckdb", "spark"):
         _duckdb_to_spark(src, dst, name, to, replace)
     elif route == ("spark", "duckdb"):
@@ -41,14 +37,14 @@ def copy(src, dst, name: str, *, to: str | None = None, replace: bool = False) -
 
 def _duckdb_info(session, name: str) -> TensorInfo | None:
     try:
-        return catalog.lookup(session.con, name)
+        return session.engine.lookup(name)
     except UnknownTensorError:
         return None
 
 
 def _spark_info(session, name: str) -> TensorInfo | None:
     try:
-        return session.warehouse.lookup(name)
+        return session.engine.warehouse.lookup(name)
     except UnknownTensorError:
         return None
 
@@ -62,7 +58,7 @@ def _select(info: TensorInfo | None, source: str, cast_keys: str) -> str:
 
 def _duckdb_to_spark(src, dst, name: str, to: str, replace: bool) -> None:
     info = _duckdb_info(src, name)
-    if info is None and not catalog.table_exists(src.con, name):
+    if info is None and src.engine.object_kind(name) != "TABLE":
         raise UnknownTensorError(f"no table named '{name}' in the DuckDB database")
     rows = ""
     if info is not None:
@@ -74,12 +70,12 @@ def _duckdb_to_spark(src, dst, name: str, to: str, replace: bool) -> None:
         directory.mkdir(parents=True)
         target = literal(str(directory / "part-00000.parquet"))
         try:
-            src.con.execute(f"COPY ({_select(info, _duckdb_name(name), 'INTEGER')}) TO {target} "
-                            f"(FORMAT parquet{rows})").fetchall()
+            src.engine.rows(f"COPY ({_select(info, _duckdb_name(name), 'INTEGER')}) TO {target} "
+                            f"(FORMAT parquet{rows})")
         except duckdb.Error as err:
             raise ExecutionError(f"copying '{name}' out of DuckDB failed: {err}") from None
 
-    dst.warehouse.create(to, write, info, replace)
+    dst.engine.warehouse.create(to, write, info, replace)
 
 
 def _duckdb_name(name: str) -> str:
@@ -88,31 +84,28 @@ def _duckdb_name(name: str) -> str:
 
 def _spark_to_duckdb(src, dst, name: str, to: str, replace: bool) -> None:
     info = _spark_info(src, name)
-    files = sorted(src.warehouse.path(name).glob("*.parquet"))
-    if not files and not src.spark.catalog.tableExists(name):
+    spark = src.engine
+    files = sorted(spark.warehouse.path(name).glob("*.parquet"))
+    if not files and not spark.spark.catalog.tableExists(name):
         raise UnknownTensorError(f"no table named '{name}' in the Spark warehouse")
     if files:
         source = f"read_parquet([{', '.join(literal(str(f)) for f in files)}])"
         _duckdb_create(dst, to, info, _select(info, source, "INTEGER"), replace)
         return
-    dst.con.register("_tra_copy", src.spark.table(quote(name)).toArrow())
-    try:
+    with dst.engine.registered("_tra_copy", spark.spark.table(quote(name)).toArrow()):
         _duckdb_create(dst, to, info, _select(info, "_tra_copy", "INTEGER"), replace)
-    finally:
-        dst.con.unregister("_tra_copy")
 
 
 def _duckdb_create(dst, to: str, info: TensorInfo | None, select: str, replace: bool) -> None:
     try:
         if info is not None:
-            catalog.create_tensor_table(dst.con, TensorInfo(to, info.dtype, info.shape, info.tile, info.layout),
-                                        select, replace)
+            dst.engine.create_table(TensorInfo(to, info.dtype, info.shape, info.tile, info.layout), select, replace)
             return
-        if catalog.table_exists(dst.con, to):
+        if dst.engine.object_kind(to) == "TABLE":
             if not replace:
                 raise TensorExistsError(f"a table named '{to}' exists already; pass replace=True to overwrite it")
             if _duckdb_info(dst, to) is not None:
-                catalog.drop_tensor(dst.con, to)
-        dst.con.execute(f"CREATE OR REPLACE TABLE {_duckdb_name(to)} AS {select}").fetchall()
+                dst.engine.drop(to)
+        dst.engine.rows(f"CREATE OR REPLACE TABLE {_duckdb_name(to)} AS {select}")
     except duckdb.Error as err:
         raise ExecutionError(f"copying into DuckDB table '{to}' failed: {err}") from None

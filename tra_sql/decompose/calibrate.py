@@ -1,5 +1,5 @@
-"""Measure the cost model's constants on this engine and machine, and keep them in the
-database (table ``tra_calibration``).
+"""Measure the cost model's constants on DuckDB and this machine (``DuckDBEngine.calibrate``
+runs ``measure`` on a fresh database and keeps them in table ``tra_calibration``).
 
 1. Tile kernels, outside the engine: BLAS products of a small and a large tile (peak flop/s
    and the tile flops of half efficiency), a loop kernel (seconds per element), a copy.
@@ -14,12 +14,9 @@ database (table ``tra_calibration``).
 from __future__ import annotations
 
 import statistics
-import tempfile
-import threading
 import time
 from typing import TYPE_CHECKING
 
-import duckdb
 import numpy as np
 
 from tra_sql.decompose.cost import Constants, features, kernel_seconds, retile_traffic
@@ -28,25 +25,6 @@ from tra_sql.graph import Einsum
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
-
-TABLE = "tra_calibration"
-
-
-def load(con: duckdb.DuckDBPyConnection) -> Constants | None:
-    """The constants stored by the last ``calibrate()`` in this database, if any."""
-    found = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND database_name = "
-                        "current_database()", [TABLE]).fetchall()[0][0]
-    if not found:
-        return None
-    rows = con.execute(f"SELECT name, value FROM {TABLE}").fetchall()
-    return Constants.from_dict(dict(rows)) if rows else None
-
-
-def save(con: duckdb.DuckDBPyConnection, consts: Constants) -> None:
-    con.execute(f"CREATE OR REPLACE TABLE {TABLE} (name VARCHAR, value DOUBLE, measured_at TIMESTAMP)").fetchall()
-    con.executemany(f"INSERT INTO {TABLE} VALUES (?, ?, current_timestamp)",
-                    [[k, float(v)] for k, v in consts.as_dict().items()])
-
 
 def _best(fn, repeat: int = 3) -> float:
     times = []
@@ -83,34 +61,6 @@ def kernels() -> dict[str, float]:
     return {"peak_flops": peak, "half_flops": half, "elem": elem, "copy_byte": copy}
 
 
-class _PeakMemory:
-    """Polls ``duckdb_memory()`` from a second cursor while a query runs."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection):
-        self.cursor = con.cursor()
-        self.base = self._now()
-        self.peak = self.base
-        self._stop = False
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _now(self) -> int:
-        return int(self.cursor.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchall()[0][0])
-
-    def _poll(self) -> None:
-        while not self._stop:
-            self.peak = max(self.peak, self._now())
-            time.sleep(0.002)
-
-    def __enter__(self) -> _PeakMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop = True
-        self._thread.join()
-        self.cursor.close()
-
-
 def _retile_cases():
     n = 1024
     for a, b in (((4, 4), (1, 1)), ((4, 4), (3, 5)), ((16, 16), (8, 8)), ((64, 64), (2, 2)), ((1, 1), (4, 4))):
@@ -144,41 +94,38 @@ RUNS = {
 }
 
 
-def engine(threads: int, kern: dict[str, float]) -> dict[str, float]:
-    """Time the ``RUNS`` and the re-tilings on a fresh connection; each constant comes from
-    the difference between two runs that differ (mostly) in the feature it prices."""
-    from tra_sql.session import connect
-
+def engine(db: Session, threads: int, kern: dict[str, float]) -> dict[str, float]:
+    """Time the ``RUNS`` and the re-tilings on ``db`` (a fresh DuckDB database); each constant
+    comes from the difference between two runs that differ (mostly) in the feature it prices."""
     c = Constants(**{**Constants().as_dict(), **kern, "threads": threads})
     rng = np.random.default_rng(0)
     t, f, ops, mem_list, mem_join = {}, {}, {}, [], []
-    with tempfile.TemporaryDirectory() as tmp, connect(f"{tmp}/calibrate.duckdb", threads=threads) as db:
-        for k, (name, (spec, join, shapes, dtype, q)) in enumerate(RUNS.items()):
-            subs = spec.split("->")[0].split(",")
-            parts = dict(zip(dict.fromkeys("".join(subs)), q))
-            ts = [db.from_numpy(f"c{k}_{m}", rng.random(shape).astype(dtype),
-                                tile=tuple(-(-n // parts[ch]) for ch, n in zip(sub, shape)))
-                  for m, (sub, shape) in enumerate(zip(subs, shapes))]
-            result = db.einsum(spec, *ts, join=join)
-            op = extract(result.node).ops[0]
-            assert isinstance(op.node, Einsum)
-            feats = features(op, np.array([[parts[ch] for ch in op.indices]], dtype=np.int64))
-            f[name] = {key: float(v[0]) for key, v in feats.items()}
-            f[name]["kernel"] = float(kernel_seconds(op, feats, c, threads)[0])
-            ops[name] = op
-            with _PeakMemory(db.con) as mem:
-                t[name] = _timed(result.arrow)
-            held = mem.peak - mem.base - op.out_bytes
-            if f[name]["list_byte"] > 0:
-                mem_list.append(held / f[name]["list_byte"])
-            elif name == "join_memory":
-                mem_join.append(held / min(x.nbytes for x in op.inputs))
-        retiles = []
-        for k, (shape, a, b) in enumerate(_retile_cases()):
-            x = db.from_numpy(f"r{k}", rng.random(shape), tile=tuple(-(-n // p) for n, p in zip(shape, a)))
-            y = x.retile(tuple(-(-n // p) for n, p in zip(shape, b)))
-            pieces, listed = retile_traffic(shape, x.node.dtype.itemsize, x.tile, y.tile)
-            retiles.append((1.0, float(pieces), listed, _timed(y.arrow)))
+    for k, (name, (spec, join, shapes, dtype, q)) in enumerate(RUNS.items()):
+        subs = spec.split("->")[0].split(",")
+        parts = dict(zip(dict.fromkeys("".join(subs)), q))
+        ts = [db.from_numpy(f"c{k}_{m}", rng.random(shape).astype(dtype),
+                            tile=tuple(-(-n // parts[ch]) for ch, n in zip(sub, shape)))
+              for m, (sub, shape) in enumerate(zip(subs, shapes))]
+        result = db.einsum(spec, *ts, join=join)
+        op = extract(result.node).ops[0]
+        assert isinstance(op.node, Einsum)
+        feats = features(op, np.array([[parts[ch] for ch in op.indices]], dtype=np.int64))
+        f[name] = {key: float(v[0]) for key, v in feats.items()}
+        f[name]["kernel"] = float(kernel_seconds(op, feats, c, threads)[0])
+        ops[name] = op
+        with db.engine.peak_memory() as mem:
+            t[name] = _timed(result.arrow)
+        held = mem.peak - mem.base - op.out_bytes
+        if f[name]["list_byte"] > 0:
+            mem_list.append(held / f[name]["list_byte"])
+        elif name == "join_memory":
+            mem_join.append(held / min(x.nbytes for x in op.inputs))
+    retiles = []
+    for k, (shape, a, b) in enumerate(_retile_cases()):
+        x = db.from_numpy(f"r{k}", rng.random(shape), tile=tuple(-(-n // p) for n, p in zip(shape, a)))
+        y = x.retile(tuple(-(-n // p) for n, p in zip(shape, b)))
+        pieces, listed = retile_traffic(shape, x.node.dtype.itemsize, x.tile, y.tile)
+        retiles.append((1.0, float(pieces), listed, _timed(y.arrow)))
 
     def rest(name: str, **known: float) -> float:
         """Run ``name``'s time less its kernel and the features already priced."""
@@ -218,15 +165,10 @@ def engine(threads: int, kern: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def calibrate(session: Session) -> Constants:
-    """Measure, store in ``tra_calibration`` and return the constants (about 10-20 s)."""
-    threads = int(session.con.execute("SELECT current_setting('threads')").fetchall()[0][0])
+def measure(db: Session, threads: int) -> Constants:
+    """The constants measured on ``db`` (a fresh DuckDB database, ``threads`` threads; about
+    10-20 s): the kernels first, then the engine's probes."""
     kern = kernels()
-    fitted = engine(threads, kern)
+    fitted = engine(db, threads, kern)
     fitted.pop("measured", None)
-    consts = Constants.from_dict({**Constants().as_dict(), **kern, **fitted, "threads": threads})
-    try:
-        save(session.con, consts)
-    except duckdb.Error:
-        pass  # a read-only database: use the constants without keeping them
-    return consts
+    return Constants.from_dict({**Constants().as_dict(), **kern, **fitted, "threads": threads})

@@ -1,9 +1,9 @@
-"""Running a plan. A plan that fits in memory runs as one SQL program (the rebuilt DAG). One
-that does not runs staged: one statement per node into a table (tables spill, a statement's
-lists do not), and an op whose working set is over the budget runs in bands of its tile grid,
-each band a statement that reads its operands in key ranges. Bands across an aggregated index
-read their tiles by key value through an index and run in sequence, each adding the partial
-result of the bands before it into its own (out of core: a few tiles in memory at a time).
+"""Staged execution of a plan on DuckDB: one statement per node into a table (tables spill, a
+statement's lists do not), and an op whose working set is over the budget in bands of its
+tile grid, each band a statement that reads its operands in key ranges. Bands across an
+aggregated index read their tiles by key value through an index and run in sequence, each
+adding the partial result of the bands before it into its own (out of core: a few tiles in
+memory at a time).
 """
 
 from __future__ import annotations
@@ -11,136 +11,42 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from math import ceil
 from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import catalog, graph
-from tra_sql.catalog import TensorInfo
-from tra_sql.decompose.cost import Budget, Constants, op_cost, parse_bytes, repartition_bands, retile_traffic
-from tra_sql.decompose.plan import Plan, make_plan
+from tra_sql import graph
+from tra_sql.aggregates import AGGREGATES
+from tra_sql.decompose.cost import Budget, Constants, op_cost, repartition_bands, retile_traffic
 from tra_sql.decompose.problem import extract, is_retile
-from tra_sql.duckdb_errors import translate
 from tra_sql.einsum import EinsumSpec
-from tra_sql.errors import SpecError, TraError
+from tra_sql.engines.duckdb_catalog import STAGE_PREFIX
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
 from tra_sql.sqlgen import Program, key
 
 if TYPE_CHECKING:
-    from tra_sql.session import Session
-    from tra_sql.tensor import Tensor
-
-#: Auto-planning leaves programs alone whose inputs are smaller than this (bytes).
-AUTO_MIN_BYTES = 256 * 2**20
+    from tra_sql.decompose.plan import Plan
+    from tra_sql.engines.duckdb import DuckDBEngine
 
 
-def session_budget(session: Session, workers: int | None = None, memory=None) -> tuple[int, float]:
-    """(workers, bytes per worker): DuckDB's threads and memory_limit unless given."""
-    rows = session.con.execute("SELECT current_setting('threads'), current_setting('memory_limit')").fetchall()
-    threads, limit = rows[0]
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise SpecError(f"workers={workers!r}: give a positive number of workers")
-    workers = int(workers or threads)
-    per_worker = parse_bytes(memory) if memory is not None else parse_bytes(str(limit).replace(" ", "")) / workers
-    return workers, per_worker
-
-
-def plan(session: Session, tensor: Tensor, workers=None, memory=None, **kw) -> Plan:
-    from tra_sql.decompose.calibrate import load
-
-    workers, per_worker = session_budget(session, workers, memory)
-    return make_plan(tensor.node, workers, per_worker, load(session.con) or Constants(), **kw)
-
-
-def _sparse(session, node: Source) -> bool:
-    """Whether the stored relation keeps nonzeros only (CSR tiles) or lacks some of its tiles."""
-    if node.layout != "dense":
-        return True
-    rows = session.con.execute(f'SELECT count(*) FROM "{node.table}"').fetchall()[0][0]
-    return rows < int(np.prod(node.grid, dtype=np.int64))
-
-
-def auto(tensor: Tensor) -> Plan | None:
-    """The plan ``numpy()`` follows by default: none for small programs (inputs under
-    ``AUTO_MIN_BYTES``); otherwise the DP's plan when the tiling as written does not fit in
-    memory, or when the plan is predicted at least 30% and 0.5 s faster."""
-    if not isinstance(getattr(tensor.session, "con", None), duckdb.DuckDBPyConnection):
-        return None  # the planner's constants and staging are DuckDB's
-    leaves = [n for n in topological(tensor.node) if isinstance(n, Source)]
-    if not any(isinstance(n, Einsum) for n in topological(tensor.node)):
-        return None
-    if sum(n.dtype.itemsize * int(np.prod(n.shape)) for n in leaves) < AUTO_MIN_BYTES:
-        return None
-    if any(_sparse(tensor.session, n) for n in leaves):
-        return None  # the cost model prices dense relations; sparse ones run as written
-    p = plan(tensor.session, tensor, yardsticks=False)
-    written = p.written_cost
-    if not np.isfinite(written) or (p.cost < 0.7 * written and written - p.cost > 0.5):
-        return p
-    return None
-
-
-def resolve(tensor: Tensor, plan_: Plan | bool | None) -> Plan | None:
-    if plan_ is None:
-        return auto(tensor)
-    if plan_ is False:
-        return None
-    if not isinstance(plan_, Plan):
-        raise TraError(f"plan must be a Plan from db.plan(), got {type(plan_).__name__}")
-    if plan_.root is not tensor.node:
-        raise TraError("this plan was made for another tensor: call db.plan() on this one")
-    return plan_
-
-
-def arrow(tensor: Tensor, plan_: Plan | None) -> pa.Table:
-    """The tensor's tile relation under ``plan_`` (as written if None), in the tensor's tiling
-    (a plan may compute it in another)."""
-    if plan_ is None:
-        return tensor.session.run(tensor.program())
-    root = plan_.apply()
-    if not plan_.staged:
-        return tensor.session.run(Program.compile(graph.retile(root, tensor.tile)))
-    table = run_staged(tensor.session, root, plan_)
+@contextlib.contextmanager
+def computed(engine: DuckDBEngine, root: Node, plan_: Plan) -> Iterator[str]:
+    """The table holding ``root`` computed by ``run_staged``, while the ``with`` block runs;
+    then it is dropped (unless ``root`` is a stored tensor)."""
+    table = run_staged(engine, root, plan_)
     try:
-        stored = Source(root.shape, root.dtype, root.tile, table, root.layout)
-        return tensor.session.run(Program.compile(graph.retile(stored, tensor.tile)))
+        yield table
     finally:
         if not isinstance(root, Source):
-            _drop(tensor.session, [table])
+            _drop(engine, [table])
 
 
-def numpy(tensor: Tensor, plan_: Plan) -> np.ndarray:
-    info = TensorInfo(tensor.name or tensor.node.label, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-    return catalog.assemble(info, arrow(tensor, plan_))
-
-
-def store(tensor: Tensor, name: str, replace_: bool, plan_: Plan | None) -> Tensor:
-    from tra_sql.tensor import Tensor
-
-    session = tensor.session
-    if plan_ is None:
-        return session.store(tensor, name, replace=replace_)
-    root = plan_.apply()
-    if not plan_.staged:
-        return session.store(Tensor(session, root), name, replace=replace_)
-    table = run_staged(session, root, plan_)
-    try:
-        info = TensorInfo(name, root.dtype, root.shape, root.tile, root.layout)
-        catalog.create_tensor_table(session.con, info, f'SELECT * FROM "{table}"', replace_)
-    finally:
-        if not isinstance(root, Source):
-            _drop(session, [table])
-    return session.tensor(name)
-
-
-# -- staged execution --------------------------------------------------------------------
-
-def run_staged(session: Session, root: Node, plan_: Plan) -> str:
+def run_staged(engine: DuckDBEngine, root: Node, plan_: Plan) -> str:
     """Compute every node of ``root``'s DAG into its own table, node by node, each op in as
     many bands as its working set needs; returns the root's table (the caller drops it)."""
     order = topological(root)
@@ -156,31 +62,31 @@ def run_staged(session: Session, root: Node, plan_: Plan) -> str:
                 continue
             inputs = tuple(Source(c.shape, c.dtype, c.tile, tables[id(c)], c.layout) for c in node.inputs)
             local = with_inputs(node, inputs) if inputs else node
-            table = f"_tra_stage_{tag}_{k}"
+            table = f"{STAGE_PREFIX}{tag}_{k}"
             owned.add(table)  # before it exists: a failure inside materialize drops it too
-            materialize(session, local, table, plan_.consts, budget)
+            materialize(engine, local, table, plan_.consts, budget)
             tables[id(node)] = table
             done = [tables[id(c)] for c in node.inputs if last_use.get(id(c)) == k and tables[id(c)] in owned]
-            _drop(session, done)
+            _drop(engine, done)
             owned -= set(done)
     except BaseException as err:
-        _drop(session, sorted(owned))
+        _drop(engine, sorted(owned))
         if isinstance(err, duckdb.Error):
-            raise translate(err, f"computing {root.label} in stages") from None
+            raise engine.translate(err, f"computing {root.label} in stages") from None
         raise
     return tables[id(root)]
 
 
-def _drop(session: Session, tables: list[str]) -> None:
+def _drop(engine: DuckDBEngine, tables: list[str]) -> None:
     for t in tables:
-        session.con.execute(f'DROP TABLE IF EXISTS "{t}"').fetchall()
+        engine.con.execute(f'DROP TABLE IF EXISTS "{t}"').fetchall()
 
 
-def _create(session: Session, table: str, rank: int, temp: bool = False) -> None:
+def _create(engine: DuckDBEngine, table: str, rank: int, temp: bool = False) -> None:
     """A tile table; its tiles uncompressed (reading one tile of a ZSTD-compressed segment,
     which DuckDB picks for large blobs, decompresses most of the segment)."""
     cols = ", ".join([f"{key(d)} INTEGER" for d in range(rank)] + ["tile BLOB USING COMPRESSION uncompressed"])
-    session.con.execute(f'CREATE {"TEMP " if temp else ""}TABLE "{table}" ({cols})').fetchall()
+    engine.con.execute(f'CREATE {"TEMP " if temp else ""}TABLE "{table}" ({cols})').fetchall()
 
 
 def bands(node: Einsum, consts: Constants, budget: Budget) -> list[int]:
@@ -244,33 +150,29 @@ def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Bu
     return out
 
 
-#: How an accumulated partial result (x1) takes in the next band's (x0), per aggregate.
-COMBINE = {"sum": "x0 + x1", "prod": "x0 * x1", "max": "greatest(x0, x1)", "min": "least(x0, x1)"}
-
-
-def materialize(session: Session, node: Node, table: str, consts: Constants, budget: Budget) -> None:
+def materialize(engine: DuckDBEngine, node: Node, table: str, consts: Constants, budget: Budget) -> None:
     """Create ``table`` holding ``node``'s tiles (its inputs are stored tables)."""
     program = Program.compile(node)
-    session._prepare(program)
+    engine.ensure_kernels(program.udfs)
     select = program.query()
-    _create(session, table, len(node.shape))
+    _create(engine, table, len(node.shape))
     if is_retile(node):
         for sql in _retile_bands(node, select, consts, budget):
-            session.con.execute(f'INSERT INTO "{table}" {sql}').fetchall()
+            engine.con.execute(f'INSERT INTO "{table}" {sql}').fetchall()
         return
     if not isinstance(node, Einsum):
-        session.con.execute(f'INSERT INTO "{table}" {select.sql(dialect="duckdb")}').fetchall()
+        engine.con.execute(f'INSERT INTO "{table}" {select.sql(dialect="duckdb")}').fetchall()
         return
     b = bands(node, consts, budget)
     idx = node.spec.indices
     split_agg = [i for i, c in enumerate(idx) if c not in node.spec.output and b[i] > 1]
     for m in range(len(node.operands)):
-        _index_keys(session, node, m, [idx[i] for i in split_agg])
-    with _keyed_scans(session) if split_agg else contextlib.nullcontext():
-        _run_bands(session, node, table, b, split_agg)
+        _index_keys(engine, node, m, [idx[i] for i in split_agg])
+    with _keyed_scans(engine) if split_agg else contextlib.nullcontext():
+        _run_bands(engine, node, table, b, split_agg)
 
 
-def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_agg: list[int]) -> None:
+def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], split_agg: list[int]) -> None:
     """``node`` into ``table`` in ``b`` bands per index: for each band of the aggregated
     indices ``split_agg`` in turn, every output band, each adding the previous partial result.
     A band's operands are the slices of ``node``'s it reads, keyed from 0 along the
@@ -281,7 +183,7 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
     agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     acc = None
-    keyed = node.agg == "sum" and not session.completeness()(node)  # bands may lack tiles: add as a keyed sum
+    keyed = node.agg == "sum" and not engine.completeness()(node)  # bands may lack tiles: add as a keyed sum
     partial: list[str] = []  # tables of earlier bands, dropped on failure too
     try:
         for s, agg_box in enumerate(agg_boxes):
@@ -289,26 +191,26 @@ def _run_bands(session: Session, node: Einsum, table: str, b: list[int], split_a
             into = f"{table}_b{s}" if keyed and acc is not None else target  # the band alone, then added
             for t in {target, into} - {table}:
                 partial.append(t)
-                _create(session, t, len(node.shape), temp=True)
+                _create(engine, t, len(node.shape), temp=True)
             shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
             band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
             program = Program.compile(band if acc is None or into != target else _accumulate(band, acc))
-            session._prepare(program)
+            engine.ensure_kernels(program.udfs)
             for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
                 ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
                 query = _restrict(program.query(), node,
                                   {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)}, shift)
-                session.con.execute(f'INSERT INTO "{into}" {query.sql(dialect="duckdb")}').fetchall()
+                engine.con.execute(f'INSERT INTO "{into}" {query.sql(dialect="duckdb")}').fetchall()
             if into != target:
                 added = Program.compile(graph.add([Source(node.shape, node.dtype, node.tile, into, node.layout), acc]))
-                session._prepare(added)
-                session.con.execute(f'INSERT INTO "{target}" {added.sql(pretty=False)}').fetchall()
-                _drop(session, [into])
+                engine.ensure_kernels(added.udfs)
+                engine.con.execute(f'INSERT INTO "{target}" {added.sql(pretty=False)}').fetchall()
+                _drop(engine, [into])
             if acc is not None:
-                _drop(session, [acc.table])
+                _drop(engine, [acc.table])
             acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
     except BaseException:
-        _drop(session, partial)
+        _drop(engine, partial)
         raise
 
 
@@ -324,29 +226,23 @@ def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
     return replace(node, operands=operands)
 
 
-@contextlib.contextmanager
-def _keyed_scans(session: Session):
+def _keyed_scans(engine: DuckDBEngine):
     """Statements whose scans go through a key index: without DuckDB's join filter pushdown,
     which adds a range filter to a probe-side scan at run time and turns it back into a
     full table scan."""
-    con = session.con
-    before = con.execute("SELECT current_setting('disabled_optimizers')").fetchall()[0][0]
-    off = ",".join(x for x in [before, "join_filter_pushdown"] if x)
-    con.execute(f"SET disabled_optimizers = '{off}'").fetchall()
-    try:
-        yield
-    finally:
-        con.execute(f"SET disabled_optimizers = '{before}'").fetchall()
+    before = engine.setting("disabled_optimizers")
+    return engine.settings(disabled_optimizers=",".join(x for x in [before, "join_filter_pushdown"] if x))
 
 
 def _accumulate(node: Einsum, acc: Source) -> Einsum:
     """``node`` combined with the partial result ``acc`` of the bands before (the kernel adds
     it to each contracted tile: an epilogue of the contraction); both have every tile."""
     out = node.spec.output
-    return Einsum(node.shape, node.dtype, node.tile, EinsumSpec((out, out), out), (node, acc), COMBINE[node.agg], "sum")
+    return Einsum(node.shape, node.dtype, node.tile, EinsumSpec((out, out), out), (node, acc),
+                  AGGREGATES[node.agg].combine, "sum")
 
 
-def _index_keys(session: Session, node: Einsum, m: int, indices: list[str]) -> None:
+def _index_keys(engine: DuckDBEngine, node: Einsum, m: int, indices: list[str]) -> None:
     """An ART index on each key column of operand ``m`` that a band selects by value: a
     scan through it loads only the selected tiles, where a table scan loads every tile of
     each 2048-row vector it touches (see ``cost.scan_memory``). Views and read-only
@@ -355,7 +251,7 @@ def _index_keys(session: Session, node: Einsum, m: int, indices: list[str]) -> N
     for d, c in enumerate(node.spec.inputs[m]):
         if c in indices:
             try:
-                session.con.execute(f'CREATE INDEX IF NOT EXISTS "_tra_ix_{table}_{key(d)}" '
+                engine.con.execute(f'CREATE INDEX IF NOT EXISTS "_tra_ix_{table}_{key(d)}" '
                                     f'ON "{table}" ({key(d)})').fetchall()
             except duckdb.Error:
                 return
