@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import tra_sql
-from tra_sql import frontend
 from tra_sql.errors import (
     ExecutionError,
     ShapeError,
@@ -13,6 +12,7 @@ from tra_sql.errors import (
     TensorExistsError,
     UnknownTensorError,
 )
+from tra_sql.frontend.rewrite import Rewriter
 
 
 @pytest.fixture
@@ -228,7 +228,7 @@ def test_plain_sql_passes_through_unchanged(db, monkeypatch):
     def refuse(*_):
         raise AssertionError("plain SQL must not be parsed by sqlglot")
 
-    monkeypatch.setattr(frontend.Rewriter, "parse", refuse)
+    monkeypatch.setattr(Rewriter, "parse", refuse)
     assert db.sql("FROM range(4) SELECT sum(range) AS s").fetchall() == [(6,)]
     assert db.sql("SELECT 'einsum(' AS s; SELECT 2 AS t").fetchall() == [(2,)]
     assert db.sql("SELECT ? + 1 AS x", params=[41]).fetchall() == [(42,)]

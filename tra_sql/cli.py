@@ -19,8 +19,10 @@ import duckdb
 import sqlglot
 from sqlglot.tokens import TokenType
 
-from tra_sql import frontend
 from tra_sql.errors import TraError
+from tra_sql.frontend.blame import engine_error
+from tra_sql.frontend.runner import explain_statement, run_statement
+from tra_sql.frontend.statements import DIALECT, Statement, split_statements
 from tra_sql.session import Session, connect
 
 HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
@@ -52,30 +54,30 @@ def show(result: duckdb.DuckDBPyRelation | None, out: TextIO) -> None:
     print(str(result).rstrip("\n"), file=out)
 
 
-def run_statement(db: Session, statement: frontend.Statement, out: TextIO) -> None:
+def show_statement(db: Session, statement: Statement, out: TextIO) -> None:
     """Run one statement and print what it gives."""
-    rewritten = frontend.explain_statement(db, statement)
+    rewritten = explain_statement(db, statement)
     if rewritten is not None:
         print(rewritten, file=out)
         return
-    result = frontend.run_statement(db, statement)
+    result = run_statement(db, statement)
     try:
         show(result, out)
     except duckdb.Error as err:
-        raise frontend.engine_error(err, statement.where()) from None
+        raise engine_error(err, statement.where()) from None
 
 
 def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = True) -> bool:
     """Run the statements of ``text``; report errors on ``err``; False if any failed."""
     ok = True
     try:
-        statements = frontend.split_statements(text)
+        statements = split_statements(text)
     except TraError as error:
         print(f"Error: {one_line(error)}", file=err)
         return False
     for statement in statements:
         try:
-            run_statement(db, statement, out)
+            show_statement(db, statement, out)
         except TraError as error:
             print(f"Error: {one_line(error)}", file=err)
             ok = False
@@ -87,7 +89,7 @@ def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = Tr
 def complete(text: str) -> bool:
     """Whether ``text`` ends with a ``;`` outside strings and comments."""
     try:
-        tokens = frontend.DIALECT.tokenize(text)
+        tokens = DIALECT.tokenize(text)
     except sqlglot.errors.TokenError:
         return False
     return bool(tokens) and tokens[-1].token_type == TokenType.SEMICOLON

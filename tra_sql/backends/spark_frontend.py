@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
-from tra_sql import frontend
 from tra_sql.backends import spark_udfs
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import SQLError, TraError
-from tra_sql.frontend import CreateTensor, Statement
+from tra_sql.frontend.blame import with_context
+from tra_sql.frontend.ddl import CreateTensor, drop_tensor
+from tra_sql.frontend.rewrite import Rewriter
+from tra_sql.frontend.statements import Statement, explained, is_extended, split_statements
 from tra_sql.graph import Source, topological
 from tra_sql.tensor import Tensor
 
@@ -35,7 +37,7 @@ DIALECT = "spark"
 LITERAL_UDFS = ["tra_random_tile", "tra_pack_tile"]  # what tra_random(...) and tra_from_elements(...) call
 
 
-class SparkRewriter(frontend.Rewriter):
+class SparkRewriter(Rewriter):
     """Rewrites a statement's tensor functions into temporary views of their computed tile
     relations (with ``explain``: views named but not computed, their scripts kept)."""
 
@@ -132,7 +134,7 @@ def _create(session: SparkTraSession, statement: Statement) -> None:
 def rewritten(session: SparkTraSession, statement: Statement) -> str:
     """What ``statement`` runs as: each tensor function's Spark script, then the statement."""
     if statement.kind == "explain":
-        return rewritten(session, frontend.explained(statement))
+        return rewritten(session, explained(statement))
     if statement.kind == "plain":
         return statement.text + ";"
     if statement.kind == "drop":
@@ -152,37 +154,37 @@ def _run_one(session: SparkTraSession, statement: Statement, params):
     if kind == "plain":
         return plain(session, statement.text, params)
     if kind == "explain":
-        if frontend.explained(statement).kind == "plain":
+        if explained(statement).kind == "plain":
             return plain(session, statement.text, params)
         return session.spark.createDataFrame([(rewritten(session, statement),)], "rewritten_sql string")
     if kind == "create":
         return _create(session, statement)
     if kind == "drop":
-        return frontend.drop_tensor(session, statement, run=True)
+        return drop_tensor(session, statement, run=True)
     return _select(session, statement, params)
 
 
 def run(session: SparkTraSession, text: str, params=None):
     """Run every statement of ``text``; the last one's result (a DataFrame, or ``None`` for
     CREATE/DROP TENSOR)."""
-    if not frontend.is_extended(text):
+    if not is_extended(text):
         return plain(session, text, params)
-    statements = frontend.split_statements(text)
+    statements = split_statements(text)
     result = None
     for n, statement in enumerate(statements):
         try:
             result = _run_one(session, statement, params if n == len(statements) - 1 else None)
         except TraError as err:
-            raise frontend.with_context(err, statement.where(), "statement") from None
+            raise with_context(err, statement.where(), "statement") from None
     return result
 
 
 def explain(session: SparkTraSession, text: str) -> str:
     """The Spark SQL that ``run`` would run for each statement of ``text``."""
     out = []
-    for statement in frontend.split_statements(text):
+    for statement in split_statements(text):
         try:
             out.append(rewritten(session, statement))
         except TraError as err:
-            raise frontend.with_context(err, statement.where(), "statement") from None
+            raise with_context(err, statement.where(), "statement") from None
     return "\n\n".join(out)
