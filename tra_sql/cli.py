@@ -21,7 +21,7 @@ from sqlglot.tokens import TokenType
 
 from tra_sql.errors import TraError
 from tra_sql.frontend.blame import engine_error
-from tra_sql.frontend.runner import explain_statement, run_statement
+from tra_sql.frontend.runner import Frontend
 from tra_sql.frontend.statements import DIALECT, Statement, split_statements
 from tra_sql.session import Session, connect
 
@@ -54,13 +54,14 @@ def show(result: duckdb.DuckDBPyRelation | None, out: TextIO) -> None:
     print(str(result).rstrip("\n"), file=out)
 
 
-def show_statement(db: Session, statement: Statement, out: TextIO) -> None:
+def run_statement(db: Session, statement: Statement, out: TextIO) -> None:
     """Run one statement and print what it gives."""
-    rewritten = explain_statement(db, statement)
+    frontend = Frontend(db)
+    rewritten = frontend.explain_statement(statement)
     if rewritten is not None:
         print(rewritten, file=out)
         return
-    result = run_statement(db, statement)
+    result = frontend.run_statement(statement)
     try:
         show(result, out)
     except duckdb.Error as err:
@@ -77,7 +78,7 @@ def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = Tr
         return False
     for statement in statements:
         try:
-            show_statement(db, statement, out)
+            run_statement(db, statement, out)
         except TraError as error:
             print(f"Error: {one_line(error)}", file=err)
             ok = False

@@ -39,42 +39,28 @@ Statements are DuckDB SQL plus the following (options are named arguments, writt
 Scalar functions registered on the connection: ``tra_tile_values(tile, dtype)`` (DOUBLE[])
 and ``tra_tile_ints(tile, dtype)`` (BIGINT[]) give a tile's elements in C order;
 ``tra_random_tile`` and ``tra_pack_tile`` serve the rewrites above (all in ``tra_sql.udfs.elements``).
+
+Modules: ``statements`` (tokens, statements, their kinds), ``syntax`` (literal arguments,
+options, SQL pieces), ``functions`` (each table function's meaning), ``rewrite`` (a
+statement's tensor syntax into SQL), ``ddl`` (CREATE/DROP TENSOR), ``blame`` (errors naming
+their statement), ``runner`` (``Frontend``: scripts run or explained on DuckDB).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import duckdb
-
-from tra_sql.frontend.blame import blamed, engine_error
-from tra_sql.frontend.runner import ensure_functions, rewrite_statement, run_statement
-from tra_sql.frontend.statements import is_extended, split_statements
+from tra_sql.frontend.runner import Frontend
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
 
 def run(session: Session, text: str, params=None, *, cursor: bool = False):
-    """Run every statement of ``text``; the last one's result (see ``Session.sql``)."""
-    ensure_functions(session)
-    if not is_extended(text):
-        try:
-            return session.con.execute(text, params) if cursor else session.con.sql(text, params=params)
-        except duckdb.Error as err:
-            raise engine_error(err, "statement") from err
-    statements = split_statements(text)
-    result = None
-    for n, statement in enumerate(statements):
-        last = n == len(statements) - 1
-        result = run_statement(session, statement, params if last else None, cursor=cursor and last)
-    return result
+    """Run every statement of ``text`` on DuckDB; the last one's result (see ``Session.sql``)."""
+    return Frontend(session).run(text, params, cursor=cursor)
+
 
 def explain(session: Session, text: str) -> str:
     """The SQL that ``run`` would hand DuckDB for each statement of ``text``."""
-    ensure_functions(session)
-    out = []
-    for statement in split_statements(text):
-        with blamed(statement):
-            out.append(rewrite_statement(session, statement))
-    return ";\n\n".join(s for s in out if s) + ";"
+    return Frontend(session).explain(text)

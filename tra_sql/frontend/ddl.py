@@ -41,10 +41,22 @@ class CreateTensor:
             raise SQLError("write CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT ...")
         return CreateTensor(catalog.check_name(tokens[i].text), replace, exists, statement.rest(i + 1))
 
+    def skipped(self, session: Session, table_exists: bool) -> bool:
+        """Whether there is nothing to do (IF NOT EXISTS, and the tensor is there), given
+        whether a table of that name exists; an SQLError if one does and is not replaced."""
+        if not table_exists:
+            return False
+        if self.if_not_exists and self.name.lower() in (n.lower() for n in session.tensors()):
+            return True
+        if not self.replace:
+            raise SQLError(f"a table named '{self.name}' exists already; use CREATE OR REPLACE TENSOR")
+        return False
+
 
 def create_tensor(session: Session, statement: Statement, run: bool) -> str | None:
+    """Create the tensor (``run``) or give the SQL that would."""
     create = CreateTensor.of(statement)
-    name, replace, exists = create.name, create.replace, create.if_not_exists
+    name, replace = create.name, create.replace
     rewriter = Rewriter(session, run)
     tensor, query = rewriter.source(rewriter.parse(create.select))
     info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
@@ -52,11 +64,8 @@ def create_tensor(session: Session, statement: Statement, run: bool) -> str | No
     if not run:
         return (f"-- tensor {name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}\n"
                 f'CREATE {"OR REPLACE " if replace else ""}TABLE "{name}" AS\n{sql}')
-    if catalog.table_exists(session.con, name):
-        if exists and name.lower() in (n.lower() for n in session.tensors()):
-            return None
-        if not replace:
-            raise SQLError(f"a table named '{name}' exists already; use CREATE OR REPLACE TENSOR")
+    if create.skipped(session, catalog.table_exists(session.con, name)):
+        return None
     try:
         if any(t.name.lower() == name.lower() for t in query.find_all(exp.Table)):
             _create_via_temp(session, info, sql, replace)
@@ -79,6 +88,7 @@ def _create_via_temp(session: Session, info: TensorInfo, sql: str, replace: bool
 
 
 def drop_tensor(session: Session, statement: Statement, run: bool) -> str | None:
+    """Drop the tensor (``run``) or give the SQL that would."""
     exists = statement.words(2, 2) == ["IF", "EXISTS"]
     at = 4 if exists else 2
     tokens = statement.tokens
