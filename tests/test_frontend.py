@@ -308,6 +308,26 @@ def test_malformed_sql(db, ab, sql, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("sql, error, fragment", [
+    ("SELECT * FROM einsum('ij->i', A, \"join\" => 'x0 +')", SpecError, "'x0 +' does not parse: Required"),
+    ("SELECT * FROM einsum('ij->i', A, \"join\" => 'CASE')", SpecError, "does not parse: Expected END after CASE"),
+    ("SELECT * FROM einsum('ij->i', A) WHERE (k0 = 1", SQLError, "syntax error at line 1, column 46"),
+    ("SELECT * FROM einsum('ij->i', tra_random)", UnknownTensorError, "tra_random is a table function, not a "
+                                                                      "tensor: call it, tra_random(...)"),
+    ("CREATE TENSOR T AS SELECT * FROM TRA_FROM_ELEMENTS", UnknownTensorError, "TRA_FROM_ELEMENTS is a table "
+                                                                               "function"),
+])
+def test_error_messages_are_plain_text(db, ab, sql, error, fragment):
+    """No ANSI escape codes (sqlglot underlines the token with them), and a table function
+    written without its parentheses is named as a function, not looked up as a tensor."""
+    with pytest.raises(error) as info:
+        db.sql(sql)
+    assert fragment in str(info.value) and "\x1b" not in str(info.value)
+    with pytest.raises(SpecError) as info:
+        db.einsum("ij->i", "A", join="x0 +")
+    assert "\x1b" not in str(info.value)
+
+
 def test_existing_table_needs_replace(db, ab):
     db.sql("CREATE TABLE plain AS SELECT 1 AS x")
     with pytest.raises(SQLError, match="exists already"):

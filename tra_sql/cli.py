@@ -5,13 +5,18 @@ one line on stderr). Without them, statements are read from a prompt (from stdin
 not a terminal): a statement may span lines and ends with ``;``; ``EXPLAIN <statement>``
 prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.help`` and ``.quit``
 (or ``.exit``) are commands, taking no arguments (anything else is an error line, as a failed
-statement is). Results are printed as tables.
+statement is). A command may also come inside an unfinished statement (a line starting with
+``.`` and a letter), as psql's backslash commands do: it runs at once and the statement goes
+on (``.quit`` drops it). Results are printed as tables. When the reader of the output goes
+away (``tra-sql -c ... | head``), the command stops quietly with exit status 141, as programs
+ended by SIGPIPE do.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import TextIO
 
@@ -29,6 +34,7 @@ HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
 QUIET = (["Count"], ["Success"])
 QUIT = (".quit", ".exit")
 COMMANDS = (".tensors", ".help", *QUIT)
+BROKEN_PIPE = 141  # the exit status of a program ended by SIGPIPE, as shells report it
 HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's:
   SELECT * FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 * x1'] [, agg => 'sum'])
   SELECT * FROM tra_elements(A)                      -- one row per element
@@ -155,8 +161,9 @@ def repl(db: Session, out: TextIO, err: TextIO, interactive: bool) -> int:
             buffer = []
             print(file=out)
             continue
-        if not buffer and line.strip().startswith("."):
+        if line.strip().startswith(".") and (not buffer or re.match(r"\.[A-Za-z]", line.strip())):
             if line.split()[0].lower() in QUIT:
+                buffer = []  # an unfinished statement is dropped, as psql's \q does
                 break
             ok = command(db, line.strip(), out, err) and ok
             continue
@@ -199,10 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     except TraError as error:
         print(f"Error: {one_line(error)}", file=sys.stderr)
         return 1
-    with db:
-        if text is not None:
-            return 0 if run_script(db, text, sys.stdout, sys.stderr) else 1
-        return repl(db, sys.stdout, sys.stderr, sys.stdin.isatty())
+    try:
+        with db:
+            if text is not None:
+                return 0 if run_script(db, text, sys.stdout, sys.stderr) else 1
+            return repl(db, sys.stdout, sys.stderr, sys.stdin.isatty())
+    except BrokenPipeError:  # the reader is gone; stdout to /dev/null, so the flush at exit cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

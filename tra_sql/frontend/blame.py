@@ -38,7 +38,6 @@ def engine_error(err: duckdb.Error, where: str) -> TraError:
     return error
 
 
-
 @contextmanager
 def blamed(statement: Statement) -> Iterator[None]:
     """Name ``statement`` in any ``TraError`` raised inside; an engine error (reading the

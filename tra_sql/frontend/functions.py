@@ -144,7 +144,6 @@ class TensorFunctions:
         select = exp.select(*keys, exp.alias_(pack, "tile")).from_(aliased(inner, "e"))
         return self._literal(info, select.group_by(*[k.copy() for k in keys]) if keys else select, complete=False)
 
-
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)``: one row per element of the tiles present, (i0, ..., value)."""
         args, _ = arguments(call)

@@ -55,7 +55,6 @@ class Rewriter(TensorFunctions):
             raise SQLError("this statement is outside the SQL that sqlglot can rewrite")
         return tree
 
-    # tensors
     def tensor(self, node: exp.Expression) -> Tensor:
         """The tensor an operand names: a stored tensor or a nested tensor function."""
         if isinstance(node, exp.Anonymous) and function_name(node) in TENSOR_FUNCTIONS:
@@ -83,8 +82,12 @@ class Rewriter(TensorFunctions):
             match = [n for n in names if n.lower() == name.lower()]
             if len(match) == 1:
                 return self.session.tensor(match[0])
+            if name.lower() in FUNCTIONS:
+                raise UnknownTensorError(f"{name} is a table function, not a tensor: call it, "
+                                         f"{name.lower()}(...)") from None
             listed = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "") if names else "none"
             raise UnknownTensorError(f"no tensor named '{name}' in the catalog (tensors: {listed})") from None
+
     def query(self, tensor: Tensor) -> exp.Select:
         """The tile relation of ``tensor``: the program's query with its literals' CTEs."""
         if self.run:
@@ -99,6 +102,7 @@ class Rewriter(TensorFunctions):
             old = select.args.get("with_")
             select.set("with_", exp.With(expressions=ctes + (list(old.expressions) if old else [])))
         return select
+
     def rewrite(self, tree: exp.Expression) -> exp.Expression:
         """``tree`` with every tensor function in FROM replaced by its relational SQL."""
         def visit(node: exp.Expression) -> exp.Expression:
