@@ -328,6 +328,17 @@ def test_error_messages_are_plain_text(db, ab, sql, error, fragment):
     assert "\x1b" not in str(info.value)
 
 
+def test_from_elements_rows_as_documented(db):
+    """The README's rules: float64 whatever the column type, repeated indices add up, NULL
+    values are skipped."""
+    db.sql("CREATE TABLE e (i INTEGER, v REAL); INSERT INTO e VALUES (0, 1.5), (0, 2.0), (1, NULL), (2, 3.25)")
+    db.sql("CREATE TENSOR T AS SELECT * FROM tra_from_elements(e, shape => [3]);"
+           "CREATE TENSOR F AS SELECT * FROM tra_from_elements(e, shape => [3], dtype => 'float32')")
+    assert db.tensor("T").dtype == np.float64 and db.tensor("F").dtype == np.float32
+    np.testing.assert_array_equal(db.tensor("T").numpy(), [3.5, 0, 3.25])
+    np.testing.assert_array_equal(db.tensor("F").numpy(), [3.5, 0, 3.25])
+
+
 def test_existing_table_needs_replace(db, ab):
     db.sql("CREATE TABLE plain AS SELECT 1 AS x")
     with pytest.raises(SQLError, match="exists already"):
