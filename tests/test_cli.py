@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -94,12 +95,8 @@ def test_output_closed_early_exits_quietly():
 def prompt(lines: str) -> tuple[int, str, str]:
     """Feed ``lines`` to the prompt as piped stdin: (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    with tra_sql.connect() as session:
-        sys.stdin, stdin = io.StringIO(lines), sys.stdin
-        try:
-            status = cli.repl(session, out, err, interactive=False)
-        finally:
-            sys.stdin = stdin
+    with tra_sql.connect() as session, patch("sys.stdin", io.StringIO(lines)):
+        status = cli.repl(session, out, err, interactive=False)
     return status, out.getvalue(), err.getvalue()
 
 
