@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -78,6 +79,39 @@ def test_in_process_prompt_and_quit(monkeypatch, capsys):
     assert cli.main([]) == 0
     out = capsys.readouterr().out
     assert "42" in out
+
+
+def test_output_closed_early_exits_quietly():
+    """``tra-sql -c ... | head``: the reader goes away; no BrokenPipeError traceback."""
+    command = subprocess.Popen([*tra_sql_command(), "-c", "SELECT 1 AS x;" * 3000],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert command.stdout.read(10)
+    command.stdout.close()
+    assert command.wait(timeout=120) == cli.BROKEN_PIPE
+    assert command.stderr.read() == b""
+    command.stderr.close()
+
+
+def prompt(lines: str) -> tuple[int, str, str]:
+    """Feed ``lines`` to the prompt as piped stdin: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with tra_sql.connect() as session, patch("sys.stdin", io.StringIO(lines)):
+        status = cli.repl(session, out, err, interactive=False)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_command_inside_an_unfinished_statement_runs_at_once():
+    """As psql's backslash commands: the command runs, the statement goes on (was glued onto it)."""
+    status, out, err = prompt("SELECT 40 +\n.tensors\n  .help\n2 AS x;\nSELECT\n.5 AS half;\n")
+    assert (status, err) == (0, "")
+    assert out.index("tile_shape") < out.index("Commands:") < out.index("42") < out.index(".5")
+    status, out, err = prompt("SELECT 1 +\n.tensors extra\n1 AS two;\n")
+    assert status == 1 and err == "Error: .tensors takes no arguments, got extra\n" and "2" in out
+
+
+def test_quit_inside_an_unfinished_statement_drops_it():
+    status, out, err = prompt("SELECT 1/0,\n.quit\nSELECT 7 AS seven;\n")
+    assert (status, out, err) == (0, "", "")
 
 
 def test_error_while_printing_names_statement(capsys):

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import tra_sql
-from tra_sql import frontend
 from tra_sql.errors import (
     ExecutionError,
     ShapeError,
@@ -13,6 +12,7 @@ from tra_sql.errors import (
     TensorExistsError,
     UnknownTensorError,
 )
+from tra_sql.frontend.rewrite import Rewriter
 
 
 @pytest.fixture
@@ -228,7 +228,7 @@ def test_plain_sql_passes_through_unchanged(db, monkeypatch):
     def refuse(*_):
         raise AssertionError("plain SQL must not be parsed by sqlglot")
 
-    monkeypatch.setattr(frontend.Rewriter, "parse", refuse)
+    monkeypatch.setattr(Rewriter, "parse", refuse)
     assert db.sql("FROM range(4) SELECT sum(range) AS s").fetchall() == [(6,)]
     assert db.sql("SELECT 'einsum(' AS s; SELECT 2 AS t").fetchall() == [(2,)]
     assert db.sql("SELECT ? + 1 AS x", params=[41]).fetchall() == [(42,)]
@@ -306,6 +306,37 @@ def test_malformed_sql(db, ab, sql, fragment):
     with pytest.raises(SQLError, match="statement") as info:
         db.sql(sql)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("sql, error, fragment", [
+    ("SELECT * FROM einsum('ij->i', A, \"join\" => 'x0 +')", SpecError, "'x0 +' does not parse: Required"),
+    ("SELECT * FROM einsum('ij->i', A, \"join\" => 'CASE')", SpecError, "does not parse: Expected END after CASE"),
+    ("SELECT * FROM einsum('ij->i', A) WHERE (k0 = 1", SQLError, "syntax error at line 1, column 46"),
+    ("SELECT * FROM einsum('ij->i', tra_random)", UnknownTensorError, "tra_random is a table function, not a "
+                                                                      "tensor: call it, tra_random(...)"),
+    ("CREATE TENSOR T AS SELECT * FROM TRA_FROM_ELEMENTS", UnknownTensorError, "TRA_FROM_ELEMENTS is a table "
+                                                                               "function"),
+])
+def test_error_messages_are_plain_text(db, ab, sql, error, fragment):
+    """No ANSI escape codes (sqlglot underlines the token with them), and a table function
+    written without its parentheses is named as a function, not looked up as a tensor."""
+    with pytest.raises(error) as info:
+        db.sql(sql)
+    assert fragment in str(info.value) and "\x1b" not in str(info.value)
+    with pytest.raises(SpecError) as info:
+        db.einsum("ij->i", "A", join="x0 +")
+    assert "\x1b" not in str(info.value)
+
+
+def test_from_elements_rows_as_documented(db):
+    """The README's rules: float64 whatever the column type, repeated indices add up, NULL
+    values are skipped."""
+    db.sql("CREATE TABLE e (i INTEGER, v REAL); INSERT INTO e VALUES (0, 1.5), (0, 2.0), (1, NULL), (2, 3.25)")
+    db.sql("CREATE TENSOR T AS SELECT * FROM tra_from_elements(e, shape => [3]);"
+           "CREATE TENSOR F AS SELECT * FROM tra_from_elements(e, shape => [3], dtype => 'float32')")
+    assert db.tensor("T").dtype == np.float64 and db.tensor("F").dtype == np.float32
+    np.testing.assert_array_equal(db.tensor("T").numpy(), [3.5, 0, 3.25])
+    np.testing.assert_array_equal(db.tensor("F").numpy(), [3.5, 0, 3.25])
 
 
 def test_existing_table_needs_replace(db, ab):

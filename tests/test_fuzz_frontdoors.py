@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import cli, frontend
+from tra_sql import cli
+from tra_sql.frontend.statements import split_statements, tokenize
 from tra_sql.udfs.expr import join_code
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -617,7 +618,7 @@ def mutated_tokens(draw, sql: str) -> str:
     """``sql`` with a few tokens deleted, duplicated, swapped, or replaced by any token or by
     one of the same kind (a string, a number, a name)."""
     try:
-        tokens = [sql[t.start : t.end + 1] for t in frontend.tokenize(sql)]
+        tokens = [sql[t.start : t.end + 1] for t in tokenize(sql)]
     except tra_sql.SQLError:  # an unterminated string, say
         tokens = sql.split()
     for _ in range(draw(st.sampled_from([1, 1, 2, 3]))):
@@ -710,7 +711,7 @@ def run_mutated(db, model: Model, sql: str) -> None:
     """Each statement of a mutated text, as a free case (a TraError for the whole text if it
     does not even split into statements)."""
     try:
-        statements = frontend.split_statements(sql)
+        statements = split_statements(sql)
     except tra_sql.TraError:
         statements = [None]
     before = snapshot(db)

@@ -5,13 +5,18 @@ one line on stderr). Without them, statements are read from a prompt (from stdin
 not a terminal): a statement may span lines and ends with ``;``; ``EXPLAIN <statement>``
 prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.help`` and ``.quit``
 (or ``.exit``) are commands, taking no arguments (anything else is an error line, as a failed
-statement is). Results are printed as tables.
+statement is). A command may also come inside an unfinished statement (a line starting with
+``.`` and a letter), as psql's backslash commands do: it runs at once and the statement goes
+on (``.quit`` drops it). Results are printed as tables. When the reader of the output goes
+away (``tra-sql -c ... | head``), the command stops quietly with exit status 141, as programs
+ended by SIGPIPE do.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import TextIO
 
@@ -19,14 +24,17 @@ import duckdb
 import sqlglot
 from sqlglot.tokens import TokenType
 
-from tra_sql import frontend
 from tra_sql.errors import TraError
+from tra_sql.frontend.blame import engine_error
+from tra_sql.frontend.runner import Frontend
+from tra_sql.frontend.statements import DIALECT, Statement, split_statements
 from tra_sql.session import Session, connect
 
 HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
 QUIET = (["Count"], ["Success"])
 QUIT = (".quit", ".exit")
 COMMANDS = (".tensors", ".help", *QUIT)
+BROKEN_PIPE = 141  # the exit status of a program ended by SIGPIPE, as shells report it
 HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's:
   SELECT * FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 * x1'] [, agg => 'sum'])
   SELECT * FROM tra_elements(A)                      -- one row per element
@@ -52,24 +60,25 @@ def show(result: duckdb.DuckDBPyRelation | None, out: TextIO) -> None:
     print(str(result).rstrip("\n"), file=out)
 
 
-def run_statement(db: Session, statement: frontend.Statement, out: TextIO) -> None:
+def run_statement(db: Session, statement: Statement, out: TextIO) -> None:
     """Run one statement and print what it gives."""
-    rewritten = frontend.explain_statement(db, statement)
+    frontend = Frontend(db)
+    rewritten = frontend.explain_statement(statement)
     if rewritten is not None:
         print(rewritten, file=out)
         return
-    result = frontend.run_statement(db, statement)
+    result = frontend.run_statement(statement)
     try:
         show(result, out)
     except duckdb.Error as err:
-        raise frontend.engine_error(err, statement.where()) from None
+        raise engine_error(err, statement.where()) from None
 
 
 def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = True) -> bool:
     """Run the statements of ``text``; report errors on ``err``; False if any failed."""
     ok = True
     try:
-        statements = frontend.split_statements(text)
+        statements = split_statements(text)
     except TraError as error:
         print(f"Error: {one_line(error)}", file=err)
         return False
@@ -87,7 +96,7 @@ def run_script(db: Session, text: str, out: TextIO, err: TextIO, stop: bool = Tr
 def complete(text: str) -> bool:
     """Whether ``text`` ends with a ``;`` outside strings and comments."""
     try:
-        tokens = frontend.DIALECT.tokenize(text)
+        tokens = DIALECT.tokenize(text)
     except sqlglot.errors.TokenError:
         return False
     return bool(tokens) and tokens[-1].token_type == TokenType.SEMICOLON
@@ -152,8 +161,9 @@ def repl(db: Session, out: TextIO, err: TextIO, interactive: bool) -> int:
             buffer = []
             print(file=out)
             continue
-        if not buffer and line.strip().startswith("."):
+        if line.strip().startswith(".") and (not buffer or re.match(r"\.[A-Za-z]", line.strip())):
             if line.split()[0].lower() in QUIT:
+                buffer = []  # an unfinished statement is dropped, as psql's \q does
                 break
             ok = command(db, line.strip(), out, err) and ok
             continue
@@ -196,10 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     except TraError as error:
         print(f"Error: {one_line(error)}", file=sys.stderr)
         return 1
-    with db:
-        if text is not None:
-            return 0 if run_script(db, text, sys.stdout, sys.stderr) else 1
-        return repl(db, sys.stdout, sys.stderr, sys.stdin.isatty())
+    try:
+        with db:
+            if text is not None:
+                return 0 if run_script(db, text, sys.stdout, sys.stderr) else 1
+            return repl(db, sys.stdout, sys.stderr, sys.stdin.isatty())
+    except BrokenPipeError:  # the reader is gone; stdout to /dev/null, so the flush at exit cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ def parse_join(text: str) -> exp.Expression:
     """Parse a join expression, raising ``SpecError`` with the parser's message."""
     try:
         return sqlglot.parse_one(text, read="duckdb")
+    except sqlglot.errors.ParseError as err:  # its message underlines the token with ANSI codes
+        first = err.errors[0] if err.errors else {}
+        raise SpecError(f"join expression {text!r} does not parse: {first.get('description', err)} "
+                        f"(column {first.get('col', '?')})") from None
     except sqlglot.errors.SqlglotError as err:
         raise SpecError(f"join expression {text!r} does not parse: {err}") from None
     except RecursionError:

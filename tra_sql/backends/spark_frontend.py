@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
-from tra_sql import frontend
 from tra_sql.backends import spark_udfs
 from tra_sql.catalog import TensorInfo
-from tra_sql.errors import SQLError, TraError
-from tra_sql.frontend import CreateTensor, Statement
+from tra_sql.frontend.blame import blamed
+from tra_sql.frontend.ddl import CreateTensor
+from tra_sql.frontend.rewrite import Rewriter
+from tra_sql.frontend.runner import Frontend
+from tra_sql.frontend.statements import Statement, explained, split_statements
 from tra_sql.graph import Source, topological
 from tra_sql.tensor import Tensor
 
@@ -35,7 +37,7 @@ DIALECT = "spark"
 LITERAL_UDFS = ["tra_random_tile", "tra_pack_tile"]  # what tra_random(...) and tra_from_elements(...) call
 
 
-class SparkRewriter(frontend.Rewriter):
+class SparkRewriter(Rewriter):
     """Rewrites a statement's tensor functions into temporary views of their computed tile
     relations (with ``explain``: views named but not computed, their scripts kept)."""
 
@@ -105,84 +107,74 @@ def plain(session: Session, text: str, params=None):
         raise spark_udfs.translate(err, "SQL") from None
 
 
-def _select(session: Session, statement: Statement, params):
-    rewriter = SparkRewriter(session)
-    try:
-        return plain(session, rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect=DIALECT), params)
-    finally:
-        rewriter.drop_views()
+class SparkFrontend(Frontend):
+    """``Frontend`` on Spark: queries through temporary views of computed tensors, tensors
+    stored by the session's warehouse, EXPLAIN as each tensor function's script."""
 
+    session: Session
 
-def _create(session: Session, statement: Statement) -> None:
-    create = CreateTensor.of(statement)
-    if session.engine.warehouse.exists(create.name):
-        if create.if_not_exists and create.name.lower() in (n.lower() for n in session.tensors()):
-            return
-        if not create.replace:
-            raise SQLError(f"a table named '{create.name}' exists already; use CREATE OR REPLACE TENSOR")
-    rewriter = SparkRewriter(session)
-    try:
-        tensor, query = rewriter.source(rewriter.parse(create.select))
-        info = TensorInfo(create.name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-        session.store_query(info, query, create.replace)
-    finally:
-        rewriter.drop_views(free=True)
+    def prepare(self) -> None:
+        """Nothing: a statement registers the tile functions it calls."""
 
+    def plain(self, sql: str, params, cursor: bool, where: str):
+        return plain(self.session, sql, params)
 
-def rewritten(session: Session, statement: Statement) -> str:
-    """What ``statement`` runs as: each tensor function's Spark script, then the statement."""
-    if statement.kind == "explain":
-        return rewritten(session, frontend.explained(statement))
-    if statement.kind == "plain":
-        return statement.text + ";"
-    if statement.kind == "drop":
-        return f"{statement.text};  -- its Parquet table and catalog row"
-    rewriter = SparkRewriter(session, explain=True)
-    if statement.kind == "create":
+    def select(self, statement: Statement, params, cursor: bool):
+        """Through temporary views of the computed tensors, dropped once Spark has analyzed it."""
+        rewriter = SparkRewriter(self.session)
+        try:
+            return plain(self.session, rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect=DIALECT), params)
+        finally:
+            rewriter.drop_views()
+
+    def create(self, statement: Statement) -> None:
         create = CreateTensor.of(statement)
-        _, query = rewriter.source(rewriter.parse(create.select))
-        main = f"-- stored as tensor {create.name}\n{query.sql(dialect=DIALECT, pretty=True)};"
-    else:
-        main = rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect=DIALECT, pretty=True) + ";"
-    return "".join(f"-- {name}, computed first:\n{script};\n\n" for name, script in rewriter.views.items()) + main
+        if create.skipped(self.session, self.session.engine.warehouse.exists(create.name)):
+            return
+        rewriter = SparkRewriter(self.session)
+        try:
+            tensor, query = rewriter.source(rewriter.parse(create.select))
+            info = TensorInfo(create.name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
+            self.session.store_query(info, query, create.replace)
+        finally:
+            rewriter.drop_views(free=True)
 
+    def describe(self, statement: Statement) -> str:
+        """What ``statement`` runs as: each tensor function's Spark script, then the statement."""
+        if statement.kind == "explain":
+            return self.describe(explained(statement))
+        if statement.kind == "plain":
+            return statement.text + ";"
+        if statement.kind == "drop":
+            return f"{statement.text};  -- its Parquet table and catalog row"
+        rewriter = SparkRewriter(self.session, explain=True)
+        if statement.kind == "create":
+            create = CreateTensor.of(statement)
+            _, query = rewriter.source(rewriter.parse(create.select))
+            main = f"-- stored as tensor {create.name}\n{query.sql(dialect=DIALECT, pretty=True)};"
+        else:
+            main = rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect=DIALECT, pretty=True) + ";"
+        return "".join(f"-- {name}, computed first:\n{script};\n\n" for name, script in rewriter.views.items()) + main
 
-def _run_one(session: Session, statement: Statement, params):
-    kind = statement.kind
-    if kind == "plain":
-        return plain(session, statement.text, params)
-    if kind == "explain":
-        if frontend.explained(statement).kind == "plain":
-            return plain(session, statement.text, params)
-        return session.engine.spark.createDataFrame([(rewritten(session, statement),)], "rewritten_sql string")
-    if kind == "create":
-        return _create(session, statement)
-    if kind == "drop":
-        return frontend.drop_tensor(session, statement, run=True)
-    return _select(session, statement, params)
+    def explained(self, statement: Statement, inner: Statement, params, cursor: bool):
+        """The rewritten statement as one row (EXPLAIN ANALYZE too)."""
+        return self.session.engine.spark.createDataFrame([(self.describe(statement),)], "rewritten_sql string")
+
+    def explain(self, text: str) -> str:
+        """The Spark SQL that ``run`` would run for each statement of ``text``."""
+        out = []
+        for statement in split_statements(text):
+            with blamed(statement):
+                out.append(self.describe(statement))
+        return "\n\n".join(out)
 
 
 def run(session: Session, text: str, params=None):
     """Run every statement of ``text``; the last one's result (a DataFrame, or ``None`` for
     CREATE/DROP TENSOR)."""
-    if not frontend.is_extended(text):
-        return plain(session, text, params)
-    statements = frontend.split_statements(text)
-    result = None
-    for n, statement in enumerate(statements):
-        try:
-            result = _run_one(session, statement, params if n == len(statements) - 1 else None)
-        except TraError as err:
-            raise frontend.with_context(err, statement.where(), "statement") from None
-    return result
+    return SparkFrontend(session).run(text, params)
 
 
 def explain(session: Session, text: str) -> str:
     """The Spark SQL that ``run`` would run for each statement of ``text``."""
-    out = []
-    for statement in frontend.split_statements(text):
-        try:
-            out.append(rewritten(session, statement))
-        except TraError as err:
-            raise frontend.with_context(err, statement.where(), "statement") from None
-    return "\n\n".join(out)
+    return SparkFrontend(session).explain(text)

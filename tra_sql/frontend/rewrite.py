@@ -1,0 +1,157 @@
+"""The rewrite of one statement's tensor syntax into plain DuckDB SQL (sqlglot expressions):
+operands resolved to tensors, each tensor function in FROM replaced by its tiles' query."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import sqlglot
+from sqlglot import exp
+
+from tra_sql import budget
+from tra_sql.errors import SQLError, TraError, UnknownTensorError
+from tra_sql.frontend.blame import with_context
+from tra_sql.frontend.functions import TensorFunctions
+from tra_sql.frontend.statements import FUNCTIONS, TENSOR_FUNCTIONS
+from tra_sql.frontend.syntax import aliased, function_name, shown
+from tra_sql.graph import Source, topological
+from tra_sql.tensor import Tensor
+
+if TYPE_CHECKING:
+    from tra_sql.session import Session
+
+USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(...), "
+                "tra_from_elements(...) or a stored tensor, optionally with WHERE on the keys k0..")
+
+
+class Rewriter(TensorFunctions):
+    """Rewrites one statement's tensor syntax into plain DuckDB SQL (sqlglot expressions)."""
+
+    def __init__(self, session: Session, run: bool = False):
+        super().__init__(session, run)
+        self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
+
+    @contextmanager
+    def blame(self, call: exp.Expression) -> Iterator[None]:
+        """Name the offending call in any ``TraError`` raised inside."""
+        try:
+            yield
+        except TraError as err:
+            raise with_context(err, f"in {shown(call)}", "call") from None
+
+    def parse(self, text: str) -> exp.Expression:
+        try:
+            tree = sqlglot.parse_one(text, read="duckdb")
+        except sqlglot.errors.ParseError as err:
+            first = err.errors[0] if err.errors else {}
+            raise SQLError(f"syntax error at line {first.get('line', '?')}, column {first.get('col', '?')} "
+                           f"near {first.get('highlight', '')!r}: {first.get('description', err)}") from None
+        except RecursionError:
+            raise SQLError("the statement is nested too deeply to rewrite") from None
+        if isinstance(tree, exp.Command):
+            raise SQLError("this statement is outside the SQL that sqlglot can rewrite")
+        return tree
+
+    def tensor(self, node: exp.Expression) -> Tensor:
+        """The tensor an operand names: a stored tensor or a nested tensor function."""
+        if isinstance(node, exp.Anonymous) and function_name(node) in TENSOR_FUNCTIONS:
+            with self.blame(node):
+                return getattr(self, f"_{function_name(node)}")(node)
+        if isinstance(node, exp.Column) and not node.table:
+            return self.stored(node.name)
+        if isinstance(node, exp.Literal) and node.is_string:
+            return self.stored(node.this)
+        raise SQLError(f"operand {shown(node)} is not a tensor name or a tensor function "
+                       f"({', '.join(TENSOR_FUNCTIONS)})")
+
+    def stored(self, name: str) -> Tensor:
+        """The stored tensor ``name`` (case-insensitive, like DuckDB's identifiers); the same
+        Tensor each time it is named in the statement."""
+        if name.lower() not in self.named:
+            self.named[name.lower()] = self._lookup(name)
+        return self.named[name.lower()]
+
+    def _lookup(self, name: str) -> Tensor:
+        try:
+            return self.session.tensor(name)
+        except UnknownTensorError:
+            names = self.session.tensors()
+            match = [n for n in names if n.lower() == name.lower()]
+            if len(match) == 1:
+                return self.session.tensor(match[0])
+            if name.lower() in FUNCTIONS:
+                raise UnknownTensorError(f"{name} is a table function, not a tensor: call it, "
+                                         f"{name.lower()}(...)") from None
+            listed = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "") if names else "none"
+            raise UnknownTensorError(f"no tensor named '{name}' in the catalog (tensors: {listed})") from None
+
+    def query(self, tensor: Tensor) -> exp.Select:
+        """The tile relation of ``tensor``: the program's query with its literals' CTEs."""
+        if self.run:
+            budget.check_program(self.session, tensor.node)
+        program = tensor.program()
+        self.session.engine.ensure_kernels(program.udfs)
+        select = program.query()
+        used = [n.table for n in topological(tensor.node) if isinstance(n, Source) and n.table in self.literals]
+        if used:
+            ctes = [exp.CTE(this=self.literals[name].copy(), alias=exp.TableAlias(this=exp.to_identifier(name)),
+                            materialized=True) for name in used]
+            old = select.args.get("with_")
+            select.set("with_", exp.With(expressions=ctes + (list(old.expressions) if old else [])))
+        return select
+
+    def rewrite(self, tree: exp.Expression) -> exp.Expression:
+        """``tree`` with every tensor function in FROM replaced by its relational SQL."""
+        def visit(node: exp.Expression) -> exp.Expression:
+            if isinstance(node, exp.Table) and isinstance(node.this, exp.Anonymous) \
+                    and function_name(node.this) in FUNCTIONS:
+                call = node.this
+                with self.blame(call):
+                    select = self.elements(call) if function_name(call) == "tra_elements" else \
+                        self.check(call) if function_name(call) == "tra_check" else self.query(self.tensor(call))
+                alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(function_name(call)))
+                return exp.Subquery(this=select, alias=alias.copy())
+            return node
+
+        out = tree.transform(visit)
+        for call in out.find_all(exp.Anonymous):
+            if function_name(call) in FUNCTIONS:
+                raise SQLError(f"{shown(call)} is a table function: use it in FROM or as an operand")
+        return out
+
+    # CREATE TENSOR
+    def source(self, select: exp.Expression) -> tuple[Tensor, exp.Select]:
+        """The tensor a CREATE TENSOR query stores, and the query computing its tiles."""
+        if not isinstance(select, exp.Select) or not select.args.get("from_"):
+            raise SQLError(USAGE_CREATE)
+        extra = [k for k, v in select.args.items() if v and k not in ("expressions", "from_", "where")]
+        star = select.expressions
+        if extra or len(star) != 1 or not isinstance(star[0], exp.Star) or any(star[0].args.values()):
+            raise SQLError(f"{USAGE_CREATE}; got {shown(select)}")
+        table = select.args["from_"].this
+        if isinstance(table, exp.Table) and isinstance(table.this, exp.Anonymous) \
+                and function_name(table.this) in TENSOR_FUNCTIONS:
+            tensor, default = self.tensor(table.this), function_name(table.this)
+        elif isinstance(table, exp.Table) and isinstance(table.this, exp.Identifier) and not table.args.get("db"):
+            tensor, default = self.stored(table.name), table.name
+        else:
+            raise SQLError(f"{USAGE_CREATE}; got FROM {shown(table)}")
+        query = self.query(tensor)
+        where = select.args.get("where")
+        if where is None:
+            return tensor, query
+        alias = table.alias or default
+        for column in where.find_all(exp.Column):
+            if column.find_ancestor(exp.Select) is not select:
+                continue
+            match = re.fullmatch(r"k(\d+)", column.name)
+            if not match or int(match.group(1)) >= tensor.ndim or column.table not in ("", alias):
+                keys = ", ".join(f"k{d}" for d in range(tensor.ndim)) or "none"
+                raise SQLError(f"the WHERE of CREATE TENSOR may test only the keys ({keys}), "
+                               f"not {shown(column)}")
+        filtered = exp.select("*").from_(aliased(query, alias)).where(self.rewrite(where.this))
+        return tensor, filtered
+

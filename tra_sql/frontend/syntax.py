@@ -1,0 +1,116 @@
+"""The sqlglot expressions of tensor SQL: reading a call's literal arguments and named
+options, and building the pieces of the SQL it is rewritten into."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+from sqlglot import exp
+
+from tra_sql import catalog
+from tra_sql.errors import DTypeError, SpecError, SQLError
+
+OPTIONS = {
+    "einsum": ("join", "agg"),
+    "grad": (),
+    "tra_random": ("shape", "tile", "seed", "dtype", "dist"),
+    "tra_from_elements": ("shape", "tile", "dtype"),
+    "tra_elements": (),
+    "tra_check": ("repair",),
+}
+SQL_TYPES = {"float64": "DOUBLE", "float32": "FLOAT", "int32": "INTEGER", "int64": "BIGINT"}
+
+
+def string_literal(node: exp.Expression, what: str) -> str:
+    if isinstance(node, exp.Literal) and node.is_string:
+        return node.this
+    raise SpecError(f"{what} must be a string literal, got {node.sql(dialect='duckdb')}")
+
+
+def int_literal(node: exp.Expression, what: str) -> int:
+    sign = 1
+    if isinstance(node, exp.Neg):
+        sign, node = -1, node.this
+    if isinstance(node, exp.Literal) and not node.is_string and re.fullmatch(r"\d+", node.this):
+        return sign * int(node.this)
+    raise SpecError(f"{what} must be an integer, got {node.sql(dialect='duckdb')}")
+
+
+def ints_literal(node: exp.Expression, what: str) -> tuple[int, ...]:
+    if isinstance(node, (exp.Array, exp.Tuple)):
+        return tuple(int_literal(e, what) for e in node.expressions)
+    return (int_literal(node, what),)
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The dtype named ``name`` (``DTypeError`` for a name NumPy does not know, too)."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise DTypeError(f"dtype {name!r} is not one of {', '.join(SQL_TYPES)}") from None
+    return catalog.check_dtype(dtype)
+
+
+def function_name(call: exp.Anonymous) -> str:
+    return call.name.lower()
+
+
+def arguments(call: exp.Anonymous) -> tuple[list[exp.Expression], dict[str, exp.Expression]]:
+    """Positional arguments and named options (``name => v`` or ``name := v``) of ``call``."""
+    fname = function_name(call)
+    positional: list[exp.Expression] = []
+    named: dict[str, exp.Expression] = {}
+    for arg in call.expressions:
+        if isinstance(arg, (exp.Kwarg, exp.PropertyEQ)):
+            key = arg.this.name.lower()
+            if key not in OPTIONS[fname]:
+                known = ", ".join(OPTIONS[fname]) or "none"
+                raise SpecError(f"{fname}() has no option {arg.this.name!r}; its options: {known}")
+            if key in named:
+                raise SpecError(f"{fname}() option {key!r} is given twice")
+            named[key] = arg.expression
+        elif named:
+            raise SQLError(f"{fname}(): positional argument {arg.sql(dialect='duckdb')} after a named one")
+        else:
+            positional.append(arg)
+    return positional, named
+
+
+def array(items: list[exp.Expression]) -> exp.Expression:
+    return exp.Array(expressions=items) if items else exp.cast(exp.Array(expressions=[]), "BIGINT[]")
+
+
+def sql_call(name: str, *args: exp.Expression) -> exp.Anonymous:
+    return exp.Anonymous(this=name, expressions=list(args))
+
+
+def json_literal(**payload: Any) -> exp.Literal:
+    return exp.Literal.string(json.dumps(payload, separators=(",", ":")))
+
+
+def aliased(this: exp.Expression, name: str, columns: list[str] | None = None) -> exp.Expression:
+    """``(query) AS name(columns)`` or ``table AS name(columns)``."""
+    alias = exp.TableAlias(this=exp.to_identifier(name), columns=[exp.to_identifier(c) for c in columns or []])
+    if isinstance(this, exp.Query):
+        return exp.Subquery(this=this, alias=alias)
+    this.set("alias", alias)
+    return this
+
+
+def shown(node: exp.Expression) -> str:
+    return node.sql(dialect="duckdb", normalize_functions=False)
+
+
+def tile_position(d: int, extents: list[exp.Column]) -> exp.Expression:
+    """Index ``d`` inside a tile of shape ``extents`` at flat (C order) position ``_p``."""
+    position: exp.Expression = exp.column("_p")
+    if d + 1 < len(extents):
+        stride: exp.Expression = extents[d + 1].copy()
+        for e in extents[d + 2 :]:
+            stride = exp.Mul(this=stride, expression=e.copy())
+        position = exp.paren(exp.IntDiv(this=position, expression=exp.paren(stride)))
+    return exp.Mod(this=position, expression=extents[d].copy())
+
