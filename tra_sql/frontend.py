@@ -70,6 +70,7 @@ from tra_sql.errors import (
 from tra_sql.graph import Source, topological
 from tra_sql.session import translate
 from tra_sql.tensor import Tensor
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -92,7 +93,7 @@ USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(..
 
 def ensure_functions(session: Session) -> None:
     """Register the element-level tile functions (``tra_sql.udfs.elements``)."""
-    session.ensure_udfs(["tra_tile_values", "tra_tile_ints", "tra_random_tile", "tra_pack_tile"])
+    session.ensure_udfs([protocol.TILE_VALUES, protocol.TILE_INTS, protocol.RANDOM_TILE, protocol.PACK_TILE])
 
 
 # -- statements ---------------------------------------------------------------------------
@@ -473,7 +474,7 @@ class Rewriter:
         if self.run:
             budget.check_program(self.session, tensor.node)
         program = tensor.program()
-        self.session.ensure_udfs(program.udfs)
+        self.session.ensure_udfs(program.kernels)
         select = program.query()
         used = [n.table for n in topological(tensor.node) if isinstance(n, Source) and n.table in self.literals]
         if used:

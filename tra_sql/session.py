@@ -11,11 +11,11 @@ from sqlglot import exp
 
 from tra_sql import absent, allocator, budget, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.program import Program
 from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ExecutionError, TraError, UnknownTensorError
-from tra_sql.sqlgen import Program
 from tra_sql.tensor import Tensor
-from tra_sql.udfs import register_kernels
+from tra_sql.udfs import protocol, register_kernels
 
 
 def connect(database: str = ":memory:", *, threads: int | None = None,
@@ -57,7 +57,8 @@ class Session:
         self._udfs: set[str] = set()
         if not read_only:
             catalog.ensure_catalog(con)
-        self.ensure_udfs(("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr"))  # relation views call them
+        # relation views call them
+        self.ensure_udfs((protocol.PACK, protocol.PACK_F32, protocol.PACK_TILE, protocol.PACK_CSR))
 
     def close(self) -> None:
         self.con.close()
@@ -218,7 +219,7 @@ class Session:
         self._udfs |= missing
 
     def _prepare(self, program: Program) -> None:
-        self.ensure_udfs(program.udfs)
+        self.ensure_udfs(program.kernels)
 
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""

@@ -32,11 +32,13 @@ from sqlglot import exp
 from tqdm.auto import tqdm
 
 from tra_sql import autodiff, catalog, graph, relations
+from tra_sql.compile.blocks import grid_table
+from tra_sql.compile.program import Program
 from tra_sql.duckdb_errors import translate
 from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Fill, Node, Source
 from tra_sql.optim import Optimizer
-from tra_sql.sqlgen import Program, grid_table
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -167,7 +169,7 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
         program = Program.compile(_rebuild(node, subst, {}))
         (prologue if view else statements).append(
             (table, f'CREATE OR REPLACE TEMP TABLE "{table}" AS {program.sql(pretty=False)}'))
-        udfs |= program.udfs
+        udfs |= program.kernels
         programs[table] = program
         subst[id(node)] = Source(node.shape, node.dtype, node.tile, table, node.layout)
         if view:
@@ -178,7 +180,7 @@ def plan(roots: dict[str, Node], prefix: str, views: frozenset[str] = frozenset(
         results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
         program = Program.compile(*results.values())
         fused = program.union_query(results).sql(dialect="duckdb")
-        udfs |= program.udfs
+        udfs |= program.kernels
     return Plan(statements, udfs, tables, dict(roots), prologue, programs, fused)
 
 
@@ -274,7 +276,7 @@ class Dropout:
                                "tile": list(self.tile), "seed": seed, "dist": "uniform"})
             draw = f"tra_random_tile('{meta}', [{', '.join(columns)}])"
         relations.ensure_udfs(self.db)
-        self.db.ensure_udfs(["tra_random_tile"])
+        self.db.ensure_udfs([protocol.RANDOM_TILE])
         query = query.select(exp.alias_(sqlglot.parse_one(draw, read="duckdb"), "tile"))
         self.db.store_query(catalog.TensorInfo(self.name, self.dtype, self.shape, self.tile), query, replace=True)
 

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
-from tra_sql.udfs.register import tile_shapes
+from tra_sql.udfs.tiles import tile_shapes
 
 DTYPES = ("float32", "float64", "int32", "int64")
 

@@ -20,17 +20,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlglot import exp
 
 from tra_sql import catalog, errors, graph, relations
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import GROUP_BYTES, Steps, spark_steps
+from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
 from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants
 from tra_sql.errors import ExecutionError, TraError
 from tra_sql.session import Session
-from tra_sql.sqlgen import Program
 from tra_sql.tensor import Tensor
 
 #: One kernel thread per task: Spark runs one task per core.
@@ -211,8 +210,7 @@ class SparkTraSession(Session):
             raise errors.ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
         tile = relations.relation_tile(name, shape, layout, tile)
         select = relations.view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
-        udfs = {c.name.lower() for c in select.find_all(exp.Anonymous)}
-        self.ensure_udfs(udfs)
+        self.ensure_udfs(relations.UDFS)
         return self.store_query(TensorInfo(name, dtype, shape, tile, layout), select, replace)
 
     # -- running ------------------------------------------------------------------------
@@ -224,7 +222,7 @@ class SparkTraSession(Session):
 
     def sql_text(self, program: Program) -> str:
         """The Spark SQL this session runs for ``program`` (see ``spark_sql``)."""
-        return spark_steps(program, self.group_bytes).text()
+        return SparkDialect(self.group_bytes).steps(program).text()
 
     @contextmanager
     def steps(self, steps: Steps, what: str):
@@ -233,7 +231,7 @@ class SparkTraSession(Session):
         when first read, and kept by the executors; a cached plan would instead carry its
         whole lineage into every plan that reads it). On exit the views are dropped and the
         checkpoints' blocks freed."""
-        self.ensure_udfs(steps.udfs)
+        self.ensure_udfs(steps.kernels)
         checkpoints = []
         try:
             try:
@@ -256,7 +254,7 @@ class SparkTraSession(Session):
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
         (INT) and ``tile``, valid inside the ``with`` block."""
-        return self.steps(spark_steps(program, self.group_bytes), program.root.label)
+        return self.steps(SparkDialect(self.group_bytes).steps(program), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
         """Execute a program; its tile relation as an Arrow table."""

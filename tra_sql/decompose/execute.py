@@ -22,6 +22,8 @@ from sqlglot import exp
 
 from tra_sql import catalog, graph
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.blocks import key
+from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Budget, Constants, op_cost, parse_bytes, repartition_bands, retile_traffic
 from tra_sql.decompose.plan import Plan, make_plan
 from tra_sql.decompose.problem import extract, is_retile
@@ -29,7 +31,6 @@ from tra_sql.duckdb_errors import translate
 from tra_sql.einsum import EinsumSpec
 from tra_sql.errors import SpecError, TraError
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
-from tra_sql.sqlgen import Program, key
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
