@@ -176,6 +176,20 @@ class FillStep(Literal):
     value: float
 
 
+@dataclass(frozen=True)
+class TileGeometry(Literal):
+    """The tiles an element-level function writes (``tra_random_tile``, ``tra_pack_tile``,
+    ``tra_pack_csr``): of tensor ``name`` (for errors), ``dtype``, ``shape``, tiled ``tile``;
+    random tiles also have their ``seed`` and ``dist`` (``uniform`` or ``normal``)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    tile: tuple[int, ...]
+    seed: int | None = None
+    dist: str | None = None
+
+
 def _pairs(count: int) -> tuple[str, ...]:
     return (KEYS, TILE) * count
 
