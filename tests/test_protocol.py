@@ -50,3 +50,12 @@ def test_programs_list_the_kernels_they_call():
         assert all(isinstance(kernel, Kernel) for kernel in program.kernels)
         assert {kernel.name for kernel in program.kernels} <= {"tra_einsum_2", "tra_reduce", "tra_einsum_agg_2"}
         assert all(kernel.name.upper() + "(" in program.sql() for kernel in program.kernels)
+
+
+def test_every_kernel_kind_has_an_implementation():
+    from tra_sql.backends.spark_udfs import GROUPED
+    from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
+
+    assert set(protocol.SIGNATURES) == set(IMPLEMENTATIONS) | set(GROUPED)
+    with pytest.raises(ValueError, match="already declared"):
+        protocol.declare("place", protocol.SIGNATURES["place"])

@@ -19,6 +19,7 @@ import numpy as np
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
 from tra_sql.udfs.cores import all_cores
 from tra_sql.udfs.protocol import AttentionStep
+from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import Operand, allocate_tiles, operand_tiles, out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
@@ -175,6 +176,7 @@ class OnlineSoftmax:
         out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.step.output])
 
 
+@implements("attention")
 def attention_groups(meta_col, out_keys_col, rows_col):
     """``tra_attention_<n>(meta, out_keys, list({keys0, tile0, ...}))``: one output tile per
     group, the softmax folded over the group's key tiles."""

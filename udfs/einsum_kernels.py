@@ -18,6 +18,7 @@ from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_m
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.expr import join_code
 from tra_sql.udfs.protocol import ChainStep, EinsumStep
+from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import Operand, allocate_tiles, operand_tiles, out_view, uniform
 
 BATCH_ELEMENTS = 1 << 22  # the most partial-result elements a batched group step may hold
@@ -164,6 +165,7 @@ def _with_prologue(meta: TileStep, tiles: list, stacked: bool, count: int) -> li
     return full
 
 
+@implements("einsum")
 def einsum_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_einsum_<n>``: one output tile per joined row. When all tiles of an operand (and
     of the output) share a shape, the whole batch is one kernel call over stacked tiles."""
@@ -186,6 +188,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
 
 
+@implements("chain")
 def chain_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_chain_<n>``: per joined row, the chain's steps one after another; only the last
     one's tile is returned."""
@@ -205,6 +208,7 @@ def chain_rows(meta_col, out_keys_col, *operand_cols):
     return binary_array(buf, offsets)
 
 
+@implements("einsum_agg")
 def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     """``tra_einsum_agg_<n>``: one output tile per group of joined rows. Batches of small
     uniform tiles are computed in one kernel call and reduced per group (``ufunc.reduceat``)."""
@@ -232,6 +236,7 @@ def einsum_groups(meta_col, out_keys_col, rows_col, *epilogue_cols):
     return _finish(meta, out_keys, buf, offsets, shapes, epilogue_cols)
 
 
+@implements("reduce")
 def reduce_partials(meta_col, out_keys_col, partials_col, *epilogue_cols):
     """``tra_reduce[_<k>]``: one output tile per group, the aggregate of its joined rows'
     partial results (each the einsum over one row's tiles, from ``tra_einsum_<n>``)."""

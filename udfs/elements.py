@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.protocol import TileGeometry
+from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import tile_shapes
 
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -53,11 +54,13 @@ def _decode(tiles, dtypes, out: type) -> pa.Array:
     return pa.array(rows, type=pa.large_list(pa.from_numpy_dtype(np.dtype(out))))
 
 
+@implements("tile_values")
 def tile_values(tiles, dtypes) -> pa.Array:
     """``tra_tile_values(tile BLOB, dtype VARCHAR) -> DOUBLE[]``: a tile's elements, C order."""
     return _decode(tiles, dtypes, np.float64)
 
 
+@implements("tile_ints")
 def tile_ints(tiles, dtypes) -> pa.Array:
     """``tra_tile_ints(tile BLOB, dtype VARCHAR) -> BIGINT[]``: exact for integer tensors."""
     return _decode(tiles, dtypes, np.int64)
@@ -111,6 +114,7 @@ def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.nd
     return np.zeros(int(offsets[-1]), dtype=dtype), offsets
 
 
+@implements("random_tile")
 def random_tiles(meta_col, keys_col) -> pa.Array:
     """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
     with (seed, *key), so a tile's values depend on the seed, the key and the tiling only."""
@@ -127,6 +131,7 @@ def random_tiles(meta_col, keys_col) -> pa.Array:
     return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)
 
 
+@implements("pack_tile")
 def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
     elements; absent elements are zero and repeated indices add up."""

@@ -9,6 +9,7 @@ import numpy as np
 from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.protocol import FillStep, PlaceStep
+from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import Operand, allocate_tiles, out_view
 
 
@@ -26,6 +27,7 @@ def _check_pieces(names, dtypes, parts, origins, extents, offsets, valid) -> Non
             f"its shape {tuple(int(n) for n in extents[i])} and dtype {dtypes[parts[i]]} need {expected[i]}")
 
 
+@implements("place")
 def place(meta_col, out_keys_col, pieces_col):
     """``tra_place(meta, out_keys, list({origin, shape, part, tile}))``: assemble each output
     tile from the source pieces that overlap it (origins in output element coordinates;
@@ -66,6 +68,7 @@ def place(meta_col, out_keys_col, pieces_col):
     return binary_array(buf, offsets)
 
 
+@implements("fill")
 def fill(meta_col, out_keys_col):
     """``tra_fill(meta, out_keys)``: one constant tile per row of output keys."""
     m = FillStep.decode(first_string(meta_col))

@@ -13,6 +13,7 @@ reads these steps implements the protocol.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from functools import lru_cache
 from typing import ClassVar
@@ -199,31 +200,47 @@ def _rows(arity: int) -> str:
     return "STRUCT(" + ", ".join(f"keys{m} {KEYS}, tile{m} {TILE}" for m in range(arity)) + ")[]"
 
 
-#: kind -> (parameters given arity and epilogue operands, result type)
-SIGNATURES = {
+@dataclass(frozen=True)
+class Signature:
+    """A kernel kind's SQL parameter types (given its arity ``n`` and its epilogue operands
+    ``k``) and result type; ``numbered``: its names carry the arity."""
+
+    params: Callable[[int, int], tuple[str, ...]]
+    result: str = TILE
+    numbered: bool = False
+
+
+#: kind -> its signature; a new kind of kernel is declared with ``declare``
+SIGNATURES: dict[str, Signature] = {
     # one output tile per joined row: (keys, tile) of each operand
-    "einsum": (lambda n, k: (META, KEYS, *_pairs(n)), TILE),
+    "einsum": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # one output tile per group, from its joined rows (fused join + aggregate); then k epilogue operands
-    "einsum_agg": (lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), TILE),
+    "einsum_agg": Signature(lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), numbered=True),
     # one output tile per group, the aggregate of its rows' partial results; then k epilogue operands
-    "reduce": (lambda n, k: (META, KEYS, f"{TILE}[]", *_pairs(k)), TILE),
-    "attention": (lambda n, k: (META, KEYS, _rows(n)), TILE),
-    "chain": (lambda n, k: (META, KEYS, *_pairs(n)), TILE),
-    "place": (lambda n, k: (META, KEYS, f"STRUCT(origin {KEYS}, shape {KEYS}, part INTEGER, tile {TILE})[]"), TILE),
-    "fill": (lambda n, k: (META, KEYS), TILE),
+    "reduce": Signature(lambda n, k: (META, KEYS, f"{TILE}[]", *_pairs(k))),
+    "attention": Signature(lambda n, k: (META, KEYS, _rows(n)), numbered=True),
+    "chain": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    "place": Signature(lambda n, k: (META, KEYS, f"STRUCT(origin {KEYS}, shape {KEYS}, part INTEGER, tile {TILE})[]")),
+    "fill": Signature(lambda n, k: (META, KEYS)),
     # grouped aggregates (Spark): a group's rows come in batches
-    "einsum_group": (lambda n, k: (META, KEYS, *_pairs(n)), TILE),
-    "reduce_group": (lambda n, k: (META, TILE), TILE),
+    "einsum_group": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    "reduce_group": Signature(lambda n, k: (META, TILE)),
     # element-level functions for SQL users and the front ends (see ``tra_sql.udfs.elements``)
-    "tile_values": (lambda n, k: (TILE, "VARCHAR"), "DOUBLE[]"),
-    "tile_ints": (lambda n, k: (TILE, "VARCHAR"), "BIGINT[]"),
-    "random_tile": (lambda n, k: ("VARCHAR", KEYS), TILE),
-    "pack_tile": (lambda n, k: ("VARCHAR", KEYS, f"{KEYS}[]", "DOUBLE[]"), TILE),
-    "pack_csr": (lambda n, k: ("VARCHAR", KEYS, KEYS, KEYS, "DOUBLE[]"), TILE),
-    "pack": (lambda n, k: ("DOUBLE",), TILE),
-    "pack_f32": (lambda n, k: ("DOUBLE",), TILE),
+    "tile_values": Signature(lambda n, k: (TILE, "VARCHAR"), "DOUBLE[]"),
+    "tile_ints": Signature(lambda n, k: (TILE, "VARCHAR"), "BIGINT[]"),
+    "random_tile": Signature(lambda n, k: ("VARCHAR", KEYS)),
+    "pack_tile": Signature(lambda n, k: ("VARCHAR", KEYS, f"{KEYS}[]", "DOUBLE[]")),
+    "pack_csr": Signature(lambda n, k: ("VARCHAR", KEYS, KEYS, KEYS, "DOUBLE[]")),
+    "pack": Signature(lambda n, k: ("DOUBLE",)),
+    "pack_f32": Signature(lambda n, k: ("DOUBLE",)),
 }
-NUMBERED = {"einsum", "einsum_agg", "attention", "chain", "einsum_group"}  # names carry the arity
+
+
+def declare(kind: str, signature: Signature) -> None:
+    """A new kind of kernel (declared next to its kernel)."""
+    if kind in SIGNATURES:
+        raise ValueError(f"kernel kind {kind!r} is already declared")
+    SIGNATURES[kind] = signature
 
 
 @dataclass(frozen=True, order=True)
@@ -242,18 +259,18 @@ class Kernel:
     @property
     def name(self) -> str:
         """The SQL function name."""
-        return (f"tra_{self.kind}" + (f"_{self.arity}" if self.kind in NUMBERED else "")
+        return (f"tra_{self.kind}" + (f"_{self.arity}" if SIGNATURES[self.kind].numbered else "")
                 + (f"_{self.epilogue}" if self.epilogue else ""))
 
     @property
     def params(self) -> tuple[str, ...]:
         """The SQL types of the parameters."""
-        return SIGNATURES[self.kind][0](self.arity, self.epilogue)
+        return SIGNATURES[self.kind].params(self.arity, self.epilogue)
 
     @property
     def result(self) -> str:
         """The SQL type of the result."""
-        return SIGNATURES[self.kind][1]
+        return SIGNATURES[self.kind].result
 
 
 PLACE = Kernel("place")

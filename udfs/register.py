@@ -1,38 +1,20 @@
-"""The tile kernels' registration: which Python function implements each kind of
-``protocol.Kernel``, and registering kernels on a DuckDB connection as Arrow UDFs (the
-parameter and result types come from the kernel reference)."""
+"""Registering kernels on a DuckDB connection as Arrow UDFs: a ``protocol.Kernel`` gives the
+SQL name and the parameter and result types, ``python_kernels`` the function (the kernel
+modules imported here declare every built-in kind's)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import duckdb
 
-from tra_sql.udfs import elements, pack, sparse
-from tra_sql.udfs.attention import attention_groups
-from tra_sql.udfs.einsum_kernels import chain_rows, einsum_groups, einsum_rows, reduce_partials
-from tra_sql.udfs.placement import fill, place
+from tra_sql.udfs import attention, einsum_kernels, elements, pack, placement, sparse  # noqa: F401  (their kinds)
 from tra_sql.udfs.protocol import Kernel
-
-#: kind -> the function computing a batch of calls (Arrow arrays in, an Arrow array out)
-IMPLEMENTATIONS = {
-    "einsum": einsum_rows,
-    "einsum_agg": einsum_groups,
-    "reduce": reduce_partials,
-    "attention": attention_groups,
-    "chain": chain_rows,
-    "place": place,
-    "fill": fill,
-    "tile_values": elements.tile_values,
-    "tile_ints": elements.tile_ints,
-    "random_tile": elements.random_tiles,
-    "pack_tile": elements.pack_tiles,
-    "pack_csr": sparse.pack_csr,
-    "pack": pack.pack,
-    "pack_f32": pack.pack_f32,
-}
+from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
 
-def implementation(kernel: Kernel):
-    """The Python function of ``kernel``."""
+def implementation(kernel: Kernel) -> Callable:
+    """The Python function computing ``kernel``."""
     if kernel.kind not in IMPLEMENTATIONS:
         raise ValueError(f"no tile UDF implements {kernel.name!r}")
     return IMPLEMENTATIONS[kernel.kind]

@@ -28,6 +28,7 @@ from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_vi
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
 from tra_sql.udfs.protocol import TileGeometry
+from tra_sql.udfs.python_kernels import implements
 
 PARALLEL_ENTRIES = 1 << 16  # CSR outputs with this many entries are computed on several threads
 
@@ -103,6 +104,7 @@ def encode(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple[
     return buf
 
 
+@implements("pack_csr")
 def pack_csr(meta_col, keys_col, rows_col, cols_col, values_col) -> pa.Array:
     """``tra_pack_csr(meta, [k0, k1], list(row), list(col), list(value))``: one CSR tile per
     group, from the global row and column numbers of its entries."""
