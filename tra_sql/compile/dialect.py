@@ -22,9 +22,9 @@ class Dialect:
 
     def render(self, query: exp.Expression, pretty: bool = False) -> tuple[str, set[Kernel]]:
         """``query``'s text in this dialect, with its kernel calls in their engine's form, and
-        the kernels it calls."""
+        the kernels it calls (``query`` is rewritten in place: pass a copy of your own)."""
         query = query.transform(lambda node: self.call(node)
-                                if isinstance(node, exp.Anonymous) and "kernel" in node.meta else node)
+                                if isinstance(node, exp.Anonymous) and "kernel" in node.meta else node, copy=False)
         return query.sql(dialect=self.name, pretty=pretty), kernels_called(query)
 
 
