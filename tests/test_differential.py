@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 import tra_sql
-from tra_sql import nn, sqlgen
+from tra_sql import nn
+from tra_sql.compile import passes
 
-SWITCHES = sorted(sqlgen.FUSIONS)
+SWITCHES = sorted(passes.FUSIONS)
 ROOMY = ["1MB", "64MB", "1GB"]
 TIGHT = ["4KB", "16KB", "64KB"]
 #: The planner's documented refusal of a budget too small for the stored tiles.
@@ -135,7 +136,8 @@ def duckdb_paths(draw, program: Program) -> list[str]:
         f'got = {{v}}.numpy(plan=db.plan({{v}}, workers={w[0]}, memory="{roomy}"))',
         f'plan = db.plan({{v}}, workers={w[1]}, memory="{tight}")\ngot = dense({{v}}, {{v}}.arrow(plan=plan))',
         f'got = {{v}}.store("{{v}}_planned", plan=db.plan({{v}}, workers={w[2]}, memory="{tight}")).numpy(plan=False)',
-    ] + [f"with tra_sql.sqlgen.fusions(off={{{name!r}}}):\n    got = {{v}}.numpy(plan=False)" for name in SWITCHES]
+    ] + [f"with tra_sql.compile.passes.fusions(off={{{name!r}}}):\n    got = {{v}}.numpy(plan=False)"
+         for name in SWITCHES]
 
 
 def prune_fusions(program: Program, db, paths: list[str]) -> list[str]:
@@ -146,7 +148,7 @@ def prune_fusions(program: Program, db, paths: list[str]) -> list[str]:
         if "fusions(off=" in path:
             name = path.split("{'")[1].split("'")[0]
             sqls = [env[v].sql() for v in program.outputs]
-            with sqlgen.fusions(off={name}):
+            with passes.fusions(off={name}):
                 if [env[v].sql() for v in program.outputs] == sqls:
                     continue
         kept.append(path)
@@ -270,7 +272,7 @@ def test_a_switched_off_fusion_changes_the_sql_not_the_numbers(name):
         result, shown = _fusion_case(db, name)
         assert shown in result.sql()
         want = result.numpy(plan=False)
-        with sqlgen.fusions(off={name}):
+        with passes.fusions(off={name}):
             assert shown not in result.sql()
             got = result.numpy(plan=False)
         assert shown in result.sql()  # switched on again on leaving
@@ -279,7 +281,7 @@ def test_a_switched_off_fusion_changes_the_sql_not_the_numbers(name):
 
 @pytest.mark.parametrize("off", [{"bogus"}, {"partials", "agg_inputs"}])
 def test_fusions_refuses_unknown_names_and_both_ways_of_aggregating(off):
-    with pytest.raises(ValueError, match="fusions"), sqlgen.fusions(off=off):
+    with pytest.raises(ValueError, match="fusions"), passes.fusions(off=off):
         pass
 
 

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import nn, sqlgen
+from tra_sql import nn
+from tra_sql.compile import chain
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -203,9 +204,9 @@ def test_chain_with_too_many_input_bytes_per_call_stays_steps(db, monkeypatch):
     X = db.from_numpy("X", rng.standard_normal((8, 4)), tile=(2, 4))
     Y, ref = mlp(db, X, [4, 6, 3], rng)
     per_row = (2 * 4 + 4 * 6 + 6 + 6 * 3 + 3) * 8
-    monkeypatch.setattr(sqlgen, "CHAIN_CALL_BYTES", 4 * per_row)
+    monkeypatch.setattr(chain, "CHAIN_CALL_BYTES", 4 * per_row)
     assert "TRA_CHAIN_5(" in flat(Y)
-    monkeypatch.setattr(sqlgen, "CHAIN_CALL_BYTES", 4 * per_row - 1)
+    monkeypatch.setattr(chain, "CHAIN_CALL_BYTES", 4 * per_row - 1)
     assert "TRA_CHAIN" not in flat(Y)
     np.testing.assert_allclose(Y.numpy(), ref)
 

@@ -109,7 +109,7 @@ class Softmax:
     """Marks an einsum as ``nn.softmax``'s last step: ``softmax(scale * scores)`` over the
     last index, ``masked`` where the mask (operand 1) is not > 0; its operands are the scores,
     the mask if any, the row max and the row sum. The compiler may fuse it with the
-    contraction that reads it (see ``sqlgen.attention_parts``)."""
+    contraction that reads it (see ``compile.attention``)."""
 
     scale: float
     masked: bool

@@ -33,13 +33,14 @@ from sqlglot import exp
 
 from tra_sql import catalog
 from tra_sql.errors import ShapeError, SpecError, UnknownTensorError
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
     from tra_sql.tensor import Tensor
 
 PACK = {"float64": "tra_pack", "float32": "tra_pack_f32"}
-UDFS = ("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr")
+UDFS = (protocol.PACK, protocol.PACK_F32, protocol.PACK_TILE, protocol.PACK_CSR)
 
 
 def ensure_udfs(db: Session) -> None:

@@ -10,13 +10,13 @@ from sqlglot import exp
 
 from tra_sql import absent, autodiff, budget, catalog, errors, graph, structure
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.program import Program
 from tra_sql.decompose import choose
 from tra_sql.decompose.cost import Constants
 from tra_sql.decompose.plan import Plan
 from tra_sql.engines.base import Engine
 from tra_sql.engines.duckdb import DuckDBEngine
 from tra_sql.errors import TraError, UnknownTensorError
-from tra_sql.sqlgen import Program
 from tra_sql.tensor import Tensor
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql import budget, graph, structure
+from tra_sql.compile.program import Program
 from tra_sql.decompose import choose
 from tra_sql.graph import Node, Source, topological
-from tra_sql.sqlgen import Program
 
 if TYPE_CHECKING:
     from tra_sql.session import Session

@@ -30,11 +30,12 @@ from sqlglot import exp
 from tqdm.auto import tqdm
 
 from tra_sql import catalog, graph, relations
+from tra_sql.compile.blocks import grid_table
 from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Node, Source
 from tra_sql.optim import Optimizer
-from tra_sql.sqlgen import grid_table
 from tra_sql.train_step import FusedOutOfMemory, Step, compile_step, run_step, scalar_value
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -108,7 +109,7 @@ class Dropout:
                                "tile": list(self.tile), "seed": seed, "dist": "uniform"})
             draw = f"tra_random_tile('{meta}', [{', '.join(columns)}])"
         relations.ensure_udfs(self.db)
-        self.db.engine.ensure_kernels(["tra_random_tile"])
+        self.db.engine.ensure_kernels([protocol.RANDOM_TILE])
         query = query.select(exp.alias_(sqlglot.parse_one(draw, read="duckdb"), "tile"))
         self.db.store_query(catalog.TensorInfo(self.name, self.dtype, self.shape, self.tile), query, replace=True)
 

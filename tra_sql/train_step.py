@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql import graph
+from tra_sql.compile.program import Program
 from tra_sql.graph import Fill, Node, Source
-from tra_sql.sqlgen import Program
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -88,7 +88,7 @@ def compile_step(roots: dict[str, Node], prefix: str, views: frozenset[str] = fr
         program = Program.compile(_rebuild(node, subst, {}))
         (prologue if view else statements).append(
             (table, f'CREATE OR REPLACE TEMP TABLE "{table}" AS {program.sql(pretty=False)}'))
-        udfs |= program.udfs
+        udfs |= program.kernels
         programs[table] = program
         subst[id(node)] = Source(node.shape, node.dtype, node.tile, table, node.layout)
         if view:
@@ -99,7 +99,7 @@ def compile_step(roots: dict[str, Node], prefix: str, views: frozenset[str] = fr
         results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
         program = Program.compile(*results.values())
         fused = program.union_query(results).sql(dialect="duckdb")
-        udfs |= program.udfs
+        udfs |= program.kernels
     return Step(statements, udfs, tables, dict(roots), prologue, programs, fused)
 
 

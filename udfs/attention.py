@@ -10,7 +10,6 @@ not > 0) get weight 0, as in ``nn.softmax``; a row with every position masked gi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
@@ -19,7 +18,9 @@ import numpy as np
 
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
 from tra_sql.udfs.cores import all_cores
-from tra_sql.udfs.register import Operand, allocate_tiles, operand_tiles, out_view
+from tra_sql.udfs.protocol import AttentionStep
+from tra_sql.udfs.python_kernels import implements
+from tra_sql.udfs.tiles import Operand, allocate_tiles, operand_tiles, out_view
 
 MASKED = -1e30  # a masked logit, as nn.MASKED
 CHUNK_ELEMENTS = 1 << 18  # scores computed per pass: a few (batch, head) pairs, so they stay in cache
@@ -60,45 +61,30 @@ class Roles:
         return roles if fits else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionMeta:
-    """The parsed ``meta`` of ``tra_attention_<n>``: operand subscripts (Q, K, V[, mask]),
-    the scores' (the softmax index last) and the output's, sizes and tiles per index,
-    dtypes, names, the scale."""
+    """An ``AttentionStep`` as the kernel runs it: its operands' and result's tile geometry
+    and the indices' roles."""
 
-    inputs: tuple[str, ...]
-    scores: str
-    output: str
-    sizes: dict[str, int]
-    tiles: dict[str, int]
-    dtypes: tuple[str, ...]
-    out_dtype: str
-    probs_dtype: str  # of the softmax's probabilities (a float type, also for integer operands)
-    names: tuple[str, ...]
-    scale: float
+    step: AttentionStep
 
     @staticmethod
     @lru_cache(maxsize=64)
     def parse(text: str) -> AttentionMeta:
-        m = json.loads(text)
-        return AttentionMeta(tuple(m["inputs"]), m["scores"], m["output"], m["sizes"], m["tiles"],
-                             tuple(m["dtypes"]), m["out_dtype"], m["probs_dtype"], tuple(m["names"]), m["scale"])
-
-    def _operand(self, name: str, dtype: str, sub: str) -> Operand:
-        return Operand(name, np.dtype(dtype), np.array([self.sizes[c] for c in sub], np.int64),
-                       np.array([self.tiles[c] for c in sub], np.int64))
+        return AttentionMeta(AttentionStep.decode(text))
 
     @cached_property
     def operands(self) -> list[Operand]:
-        return [self._operand(*spec) for spec in zip(self.names, self.dtypes, self.inputs)]
+        s = self.step
+        return [Operand.of(name, dt, sub, s.sizes, s.tiles) for name, dt, sub in zip(s.names, s.dtypes, s.inputs)]
 
     @cached_property
     def result(self) -> Operand:
-        return self._operand("result", self.out_dtype, self.output)
+        return Operand.of("result", self.step.out_dtype, self.step.output, self.step.sizes, self.step.tiles)
 
     @cached_property
     def roles(self) -> Roles:
-        return Roles.of(self.inputs, self.output, self.scores[-1])
+        return Roles.of(self.step.inputs, self.step.output, self.step.scores[-1])
 
 
 def _matrices(x: np.ndarray, sub: str, *groups: str) -> np.ndarray:
@@ -128,9 +114,9 @@ class OnlineSoftmax:
 
     def __init__(self, meta: AttentionMeta, q: np.ndarray):
         self.meta, r = meta, meta.roles
-        self.extent = dict(zip(meta.inputs[0], q.shape))
-        self.dtype = np.dtype(meta.probs_dtype)
-        self.q = _matrices(q, meta.inputs[0], r.batch, r.rows, r.inner).astype(self.dtype, copy=False)
+        self.extent = dict(zip(meta.step.inputs[0], q.shape))
+        self.dtype = np.dtype(meta.step.probs_dtype)
+        self.q = _matrices(q, meta.step.inputs[0], r.batch, r.rows, r.inner).astype(self.dtype, copy=False)
         self.row_max = np.full(self.q.shape[:2], MASKED, dtype=self.dtype)
         self.row_sum = np.zeros_like(self.row_max)
         self.acc: np.ndarray | None = None
@@ -138,12 +124,12 @@ class OnlineSoftmax:
     def add(self, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
         """Fold in one key tile, block by block (a few batch matrices at a time)."""
         meta, r, q = self.meta, self.meta.roles, self.q
-        kt = np.ascontiguousarray(_matrices(k, meta.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1),
+        kt = np.ascontiguousarray(_matrices(k, meta.step.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1),
                                   dtype=self.dtype)
-        v = _matrices(v, meta.inputs[2], r.batch, r.keys, r.cols)
+        v = _matrices(v, meta.step.inputs[2], r.batch, r.keys, r.cols)
         if self.acc is None:
-            self.acc = np.zeros((*q.shape[:2], v.shape[2]), dtype=np.dtype(meta.out_dtype))
-        allowed = None if mask is None else self._allowed(mask, dict(zip(meta.inputs[1], k.shape)))
+            self.acc = np.zeros((*q.shape[:2], v.shape[2]), dtype=np.dtype(meta.step.out_dtype))
+        allowed = None if mask is None else self._allowed(mask, dict(zip(meta.step.inputs[1], k.shape)))
         for rows, keys in _blocks(allowed, q.shape[1], kt.shape[2]):
             step = max(1, CHUNK_ELEMENTS // ((rows.stop - rows.start) * (keys.stop - keys.start)))
             for start in range(0, len(q), step):
@@ -153,7 +139,7 @@ class OnlineSoftmax:
               allowed: np.ndarray | None) -> None:
         """The scores of batch matrices ``part``, query ``rows`` and ``keys`` into the state."""
         scores = np.matmul(self.q[part, rows], kt[part, :, keys])
-        scores *= self.meta.scale
+        scores *= self.meta.step.scale
         if allowed is not None:
             np.copyto(scores, MASKED, where=~allowed[part if len(allowed) > 1 else slice(0, 1), rows, keys])
         top = np.maximum(scores.max(axis=-1), self.row_max[part, rows])
@@ -172,7 +158,7 @@ class OnlineSoftmax:
 
     def _allowed(self, mask: np.ndarray, key_extent: dict[str, int]) -> np.ndarray:
         """Where the mask tile is > 0, as (batch or 1, rows, keys) matrices."""
-        r, sub = self.meta.roles, self.meta.inputs[3]
+        r, sub = self.meta.roles, self.meta.step.inputs[3]
         extent = self.extent | key_extent
         batch = r.batch if set(sub) & set(r.batch) else ""
         shape = [extent[c] for c in batch + r.rows + r.keys]
@@ -186,19 +172,20 @@ class OnlineSoftmax:
         result = np.divide(self.acc, self.row_sum[..., None], out=np.zeros_like(self.acc),
                            where=self.row_sum[..., None] > 0)
         order = r.batch + r.rows + r.cols
-        extent = dict(zip(self.meta.output, out.shape))
-        out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.output])
+        extent = dict(zip(self.meta.step.output, out.shape))
+        out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.step.output])
 
 
+@implements("attention")
 def attention_groups(meta_col, out_keys_col, rows_col):
     """``tra_attention_<n>(meta, out_keys, list({keys0, tile0, ...}))``: one output tile per
     group, the softmax folded over the group's key tiles."""
     meta = AttentionMeta.parse(first_string(meta_col))
-    out_keys = key_matrix(out_keys_col, len(meta.output))
+    out_keys = key_matrix(out_keys_col, len(meta.step.output))
     buf, offsets, shapes = allocate_tiles(meta.result, out_keys)
     group_offsets, rows = list_views(rows_col)
-    tiles, _ = operand_tiles(meta, rows.flatten(), np.arange(len(rows)), False)
-    masked = len(meta.inputs) == 4
+    tiles, _ = operand_tiles(meta.operands, rows.flatten(), np.arange(len(rows)), False)
+    masked = len(meta.step.inputs) == 4
     with all_cores():  # BLAS products of every head
         for row in range(len(out_keys)):
             first = group_offsets[row]

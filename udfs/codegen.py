@@ -17,15 +17,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-AGG_UPDATE = {
-    # a compensated sum (Neumaier's, branch-free): ``err`` keeps what each addition rounded
-    # off, so a long sum keeps ~1e-16 relative error whatever the tiling (exact on integers)
-    "sum": "t = acc + v; w = t - acc; err = err + ((acc - (t - w)) + (v - w)); acc = t",
-    "prod": "acc = acc * v",
-    # NaN wins, as in NumPy's max and min (``acc != acc`` only for NaN)
-    "max": "acc = acc if acc != acc or acc >= v else v",
-    "min": "acc = acc if acc != acc or acc <= v else v",
-}
+from tra_sql.aggregates import AGGREGATES
 
 
 @cache
@@ -109,9 +101,10 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         f"out[{', '.join(var[c] for c in output)}]" if output else "out[()]"
     if assign and not all(decides[ch] for ch in order):
         raise ValueError(f"kernel {inputs}->{output} aggregates: it cannot assign its values")
+    aggregate = AGGREGATES[agg]
     if not assign:
         lines.append(f"{indent}acc = {out_ref}")
-        if agg == "sum":
+        if aggregate.compensated:  # ``err`` carries the rounding error (see ``Aggregate``)
             lines.append(f"{indent}err = acc - acc")
     outer = indent
     for ch in order[split:]:
@@ -124,9 +117,9 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     if assign:
         lines.append(f"{indent}{out_ref} = v")
     else:
-        lines.extend(f"{indent}{update}" for update in AGG_UPDATE[agg].split("; "))
-        # an infinite or NaN sum stays as it is (its rounding error is NaN)
-        lines.append(f"{outer}{out_ref} = {'acc + err if acc - acc == 0 else acc' if agg == 'sum' else 'acc'}")
+        lines.extend(f"{indent}{update}" for update in aggregate.loop_update.split("; "))
+        # an infinite or NaN compensated result stays as it is (its rounding error is NaN)
+        lines.append(f"{outer}{out_ref} = {'acc + err if acc - acc == 0 else acc' if aggregate.compensated else 'acc'}")
     return "\n".join(lines) + "\n"
 
 

@@ -8,23 +8,12 @@ from math import prod
 
 import numpy as np
 
+from tra_sql.aggregates import AGGREGATES
 from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
-
-
-def identity(agg: str, dtype: np.dtype):
-    """The value an aggregate starts from."""
-    if agg == "sum":
-        return 0
-    if agg == "prod":
-        return 1
-    if np.issubdtype(dtype, np.floating):
-        return -np.inf if agg == "max" else np.inf
-    info = np.iinfo(dtype)
-    return info.min if agg == "max" else info.max
 
 
 @dataclass(frozen=True)
@@ -81,7 +70,7 @@ class TileEinsum:
 
     def init(self, out: np.ndarray) -> None:
         """Set ``out`` to the aggregate's identity."""
-        out[...] = identity(self.agg, out.dtype)
+        out[...] = AGGREGATES[self.agg].identity(out.dtype)
 
     def compute(self, out: np.ndarray, tiles: list[np.ndarray]) -> None:
         """``out`` set to this einsum of one tile set: ``init`` then ``accumulate``, without

@@ -4,12 +4,11 @@ pack element rows into tiles.
 - ``tra_tile_values(tile, dtype) -> DOUBLE[]`` and ``tra_tile_ints(tile, dtype) -> BIGINT[]``:
   a tile's elements in C order;
 - ``tra_random_tile(meta, key) -> BLOB``: a random tile seeded with (seed, *key);
-- ``tra_pack_tile(meta, key, list(index), list(value)) -> BLOB``: a tile from its elements.
+- ``tra_pack_tile(meta, key, list(index), list(value)) -> BLOB``: a tile from its elements
+  (``meta``: a ``protocol.TileGeometry``).
 """
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +16,9 @@ import pyarrow.compute as pc
 
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
-from tra_sql.udfs.register import tile_shapes
+from tra_sql.udfs.protocol import TileGeometry
+from tra_sql.udfs.python_kernels import implements
+from tra_sql.udfs.tiles import tile_shapes
 
 DTYPES = ("float32", "float64", "int32", "int64")
 
@@ -53,34 +54,35 @@ def _decode(tiles, dtypes, out: type) -> pa.Array:
     return pa.array(rows, type=pa.large_list(pa.from_numpy_dtype(np.dtype(out))))
 
 
+@implements("tile_values")
 def tile_values(tiles, dtypes) -> pa.Array:
     """``tra_tile_values(tile BLOB, dtype VARCHAR) -> DOUBLE[]``: a tile's elements, C order."""
     return _decode(tiles, dtypes, np.float64)
 
 
+@implements("tile_ints")
 def tile_ints(tiles, dtypes) -> pa.Array:
     """``tra_tile_ints(tile BLOB, dtype VARCHAR) -> BIGINT[]``: exact for integer tensors."""
     return _decode(tiles, dtypes, np.int64)
 
 
-def _read_meta(column, function: str, *extra: str) -> dict:
-    """The JSON meta argument of ``function`` (it must hold the geometry and ``extra`` keys)."""
+def _read_meta(column, function: str, *extra: str) -> TileGeometry:
+    """The meta argument of ``function`` (it must hold the geometry and the ``extra`` fields)."""
     text = first_string(column)
     try:
-        meta = json.loads(text)
-    except (TypeError, ValueError):
+        meta = TileGeometry.decode(text)
+    except (TypeError, ValueError, AttributeError):
         meta = None
-    keys = ("name", "dtype", "shape", "tile", *extra)
-    if not isinstance(meta, dict) or any(k not in meta for k in keys) or meta["dtype"] not in DTYPES:
+    if meta is None or any(getattr(meta, k) is None for k in extra) or meta.dtype not in DTYPES:
+        keys = ("name", "dtype", "shape", "tile", *extra)
         raise SpecError(f"{function}(): meta {text!r} is not what the tensor SQL rewrite writes "
                         f"(JSON with {', '.join(keys)})")
     return meta
 
 
-def _geometry(meta: dict) -> tuple[str, np.dtype, np.ndarray, np.ndarray]:
-    """(name, dtype, full sizes, tile sizes) from a meta payload."""
-    return (meta["name"], np.dtype(meta["dtype"]), np.array(meta["shape"], dtype=np.int64),
-            np.array(meta["tile"], dtype=np.int64))
+def _geometry(meta: TileGeometry) -> tuple[str, np.dtype, np.ndarray, np.ndarray]:
+    """(name, dtype, full sizes, tile sizes) of the tiles to write."""
+    return meta.name, np.dtype(meta.dtype), np.array(meta.shape, dtype=np.int64), np.array(meta.tile, dtype=np.int64)
 
 
 def _shapes(name: str, keys: np.ndarray, sizes: np.ndarray, tiles: np.ndarray) -> np.ndarray:
@@ -112,6 +114,7 @@ def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.nd
     return np.zeros(int(offsets[-1]), dtype=dtype), offsets
 
 
+@implements("random_tile")
 def random_tiles(meta_col, keys_col) -> pa.Array:
     """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
     with (seed, *key), so a tile's values depend on the seed, the key and the tiling only."""
@@ -121,13 +124,14 @@ def random_tiles(meta_col, keys_col) -> pa.Array:
     shapes = _shapes(name, keys, sizes, tiles)
     buf, offsets = _tile_buffer(shapes, dtype)
     for row, key in enumerate(keys):
-        rng = np.random.default_rng([meta["seed"], *key.tolist()])
+        rng = np.random.default_rng([meta.seed, *key.tolist()])
         shape = tuple(shapes[row])
-        draw = rng.standard_normal(shape) if meta["dist"] == "normal" else rng.random(shape)
+        draw = rng.standard_normal(shape) if meta.dist == "normal" else rng.random(shape)
         buf[offsets[row] : offsets[row + 1]] = draw.ravel()
     return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)
 
 
+@implements("pack_tile")
 def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
     elements; absent elements are zero and repeated indices add up."""

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tra_sql.udfs.arrowio import binary_array
+from tra_sql.udfs.python_kernels import implements
 
 
 def _pack(values, dtype: np.dtype) -> pa.Array:
@@ -22,11 +23,13 @@ def _pack(values, dtype: np.dtype) -> pa.Array:
     return pc.if_else(arr.is_valid(), out, pa.scalar(None, out.type)) if arr.null_count else out
 
 
+@implements("pack")
 def pack(values) -> pa.Array:
     """``tra_pack``: float64 1x1 tiles."""
     return _pack(values, np.dtype(np.float64))
 
 
+@implements("pack_f32")
 def pack_f32(values) -> pa.Array:
     """``tra_pack_f32``: float32 1x1 tiles."""
     return _pack(values, np.dtype(np.float32))

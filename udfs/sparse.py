@@ -17,7 +17,6 @@ their entries; CSR operands of one einsum must share their entries.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cache
 
@@ -28,6 +27,8 @@ from tra_sql.errors import CorruptTileError, ShapeError
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
+from tra_sql.udfs.protocol import TileGeometry
+from tra_sql.udfs.python_kernels import implements
 
 PARALLEL_ENTRIES = 1 << 16  # CSR outputs with this many entries are computed on several threads
 
@@ -103,11 +104,12 @@ def encode(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple[
     return buf
 
 
+@implements("pack_csr")
 def pack_csr(meta_col, keys_col, rows_col, cols_col, values_col) -> pa.Array:
     """``tra_pack_csr(meta, [k0, k1], list(row), list(col), list(value))``: one CSR tile per
     group, from the global row and column numbers of its entries."""
-    meta = json.loads(first_string(meta_col))
-    dtype, shape, tile = np.dtype(meta["dtype"]), np.array(meta["shape"]), np.array(meta["tile"])
+    meta = TileGeometry.decode(first_string(meta_col))
+    dtype, shape, tile = np.dtype(meta.dtype), np.array(meta.shape), np.array(meta.tile)
     keys = key_matrix(keys_col, 2)
     starts, rows = list_views(rows_col)
     _, cols = list_views(cols_col)
@@ -121,7 +123,7 @@ def pack_csr(meta_col, keys_col, rows_col, cols_col, values_col) -> pa.Array:
         part = slice(starts[g], starts[g + 1])
         r, c = rows[part] - key[0] * tile[0], cols[part] - key[1] * tile[1]
         if len(r) and (r.min() < 0 or c.min() < 0 or r.max() >= tile_shape[0] or c.max() >= tile_shape[1]):
-            raise ShapeError(f"{meta['name']}: an entry of tile {tuple(key.tolist())} lies outside it")
+            raise ShapeError(f"{meta.name}: an entry of tile {tuple(key.tolist())} lies outside it")
         tiles.append(encode(r, c, values[part], tuple(int(n) for n in tile_shape)))
     return concat(tiles)
 

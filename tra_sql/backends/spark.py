@@ -24,13 +24,13 @@ from sqlglot import exp
 
 from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
-from tra_sql.backends.spark_sql import GROUP_BYTES, Steps, spark_steps
+from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
 from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants, parse_bytes
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, TraError
-from tra_sql.sqlgen import Program
 
 #: One kernel thread per task: Spark runs one task per core.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -156,7 +156,7 @@ class SparkEngine(Engine):
     # -- programs and statements --------------------------------------------------------
     def sql_text(self, program: Program) -> str:
         """The Spark SQL this engine runs for ``program`` (see ``spark_sql``)."""
-        return spark_steps(program, self.group_bytes).text()
+        return SparkDialect(self.group_bytes).steps(program).text()
 
     @contextmanager
     def steps(self, steps: Steps, what: str):
@@ -165,7 +165,7 @@ class SparkEngine(Engine):
         when first read, and kept by the executors; a cached plan would instead carry its
         whole lineage into every plan that reads it). On exit the views are dropped and the
         checkpoints' blocks freed."""
-        self.ensure_kernels(steps.udfs)
+        self.ensure_kernels(steps.kernels)
         checkpoints = []
         try:
             try:
@@ -188,7 +188,7 @@ class SparkEngine(Engine):
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
         (INT) and ``tile``, valid inside the ``with`` block."""
-        return self.steps(spark_steps(program, self.group_bytes), program.root.label)
+        return self.steps(SparkDialect(self.group_bytes).steps(program), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
         with self.frame(program) as frame:

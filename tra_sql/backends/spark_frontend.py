@@ -29,12 +29,13 @@ from tra_sql.frontend.runner import Frontend
 from tra_sql.frontend.statements import Statement, explained, split_statements
 from tra_sql.graph import Source, topological
 from tra_sql.tensor import Tensor
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
 DIALECT = "spark"
-LITERAL_UDFS = ["tra_random_tile", "tra_pack_tile"]  # what tra_random(...) and tra_from_elements(...) call
+LITERAL_UDFS = [protocol.RANDOM_TILE, protocol.PACK_TILE]  # what tra_random(...) and tra_from_elements(...) call
 
 
 class SparkRewriter(Rewriter):
@@ -73,7 +74,7 @@ class SparkRewriter(Rewriter):
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)`` as on DuckDB, its two ``unnest`` (values, positions) one
         ``posexplode`` on Spark."""
-        self.session.engine.ensure_kernels(["tra_tile_values", "tra_tile_ints"])
+        self.session.engine.ensure_kernels([protocol.TILE_VALUES, protocol.TILE_INTS])
 
         def unnest(e: exp.Expression) -> bool:
             return isinstance(e, exp.Alias) and isinstance(e.this, exp.Anonymous) and e.this.name.lower() == "unnest"

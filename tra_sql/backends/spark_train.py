@@ -2,7 +2,7 @@
 
 A step computes the roots of the same ``train_step.Step`` as on DuckDB (the loss, the optimizer's
 new weights and state) in one write: one query of every root's rows over the step's views
-(``spark_sql.spark_union_steps``; the views that several steps read are local checkpoints,
+(``spark_sql.SparkDialect.union_steps``; the views that several steps read are local checkpoints,
 so shared nodes run once) written with ``partitionBy("target")`` to
 ``<warehouse>/_staging/<Trainer.prefix>/target=<root>/``.
 Committing the step first writes its journal (``COMMIT.json`` beside the staged results: the
@@ -28,10 +28,10 @@ import pyarrow.parquet as pq
 
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import Steps, spark_union_steps
+from tra_sql.backends.spark_sql import SparkDialect, Steps
 from tra_sql.backends.warehouse import write_parquet
+from tra_sql.compile.program import Program
 from tra_sql.optim import Optimizer
-from tra_sql.sqlgen import Program
 
 RUN_SCHEMA = pa.schema([("run", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("batch", pa.int64()),
                         ("loss_sum", pa.float64()), ("params", pa.string()), ("optimizer", pa.string())])
@@ -78,8 +78,8 @@ class SparkTrainer(core.Trainer):
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
         if batch not in self.queries:
-            self.queries[batch] = spark_union_steps(Program.compile(*p.nodes.values()), p.nodes,
-                                                    self.db.engine.group_bytes)
+            program = Program.compile(*p.nodes.values())
+            self.queries[batch] = SparkDialect(self.db.engine.group_bytes).union_steps(program, p.nodes)
         self.set_scalars(step)
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)

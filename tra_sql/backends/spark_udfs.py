@@ -36,18 +36,20 @@ def _batch_udf(function, empty: pa.DataType):
 def _fold(name: str, batches) -> bytes:
     """One output tile from ``(meta column, tile column)`` batches of partial results, each
     reduced with the step's aggregate, then reduced in turn. Memory: one batch at a time."""
+    from tra_sql.aggregates import AGGREGATES
     from tra_sql.udfs.arrowio import binary_views, first_string
-    from tra_sql.udfs.register import REDUCE, StepMeta
+    from tra_sql.udfs.protocol import EinsumStep
 
     out = None
     for meta_col, tiles in batches:
         if not len(meta_col):
             continue
-        meta = StepMeta.parse(first_string(meta_col))
+        step = EinsumStep.decode(first_string(meta_col))
+        combine = AGGREGATES[step.agg].ufunc
         data, offsets, _ = binary_views(tiles)
-        rows = data[offsets[0]:offsets[-1]].view(meta.result.dtype).reshape(len(meta_col), -1)
-        part = REDUCE[meta.agg].reduce(rows, axis=0)
-        out = part if out is None else REDUCE[meta.agg](out, part, out=out)
+        rows = data[offsets[0]:offsets[-1]].view(step.out_dtype).reshape(len(meta_col), -1)
+        part = combine.reduce(rows, axis=0)
+        out = part if out is None else combine(out, part, out=out)
     if out is None:
         raise ValueError(f"{name}: an empty group")
     return out.tobytes()
@@ -57,7 +59,7 @@ def einsum_group(batches) -> bytes:
     """``tra_einsum_group_<n>(meta, out_keys, keys_0, tile_0, ...)``, a grouped aggregate: the
     joined rows of one output tile come in batches; each batch is one kernel call per row
     (``tra_einsum_<n>``'s) whose products are reduced with the step's aggregate."""
-    from tra_sql.udfs.register import einsum_rows
+    from tra_sql.udfs.einsum_kernels import einsum_rows
 
     products = ((meta_col, einsum_rows(meta_col, keys_col, *operands))
                 for meta_col, keys_col, *operands in batches if len(meta_col))
@@ -70,29 +72,28 @@ def reduce_group(batches) -> bytes:
     return _fold("tra_reduce_group", batches)
 
 
-GROUPED = {"tra_reduce_group": reduce_group}
+GROUPED = {"einsum_group": einsum_group, "reduce_group": reduce_group}  # by kernel kind
 
 
-def register(spark, names) -> None:
-    """Register the named tile UDFs (see ``tra_sql.udfs.register``, ``einsum_group`` and
-    ``reduce_group``) on ``spark``."""
+def register(spark, kernels) -> None:
+    """Register ``kernels`` (``protocol.Kernel``s: those of ``tra_sql.udfs.register``, and
+    the grouped aggregates ``einsum_group`` and ``reduce_group``) on ``spark``."""
     import warnings
 
     from pyspark.sql.functions import ArrowUDFType, arrow_udf
 
-    from tra_sql.udfs.register import _signature
+    from tra_sql.udfs.register import implementation
 
-    for name in names:
-        grouped = einsum_group if re.fullmatch(r"tra_einsum_group_\d+", name) else GROUPED.get(name)
+    for kernel in kernels:
+        grouped = GROUPED.get(kernel.kind)
         if grouped is not None:
             with warnings.catch_warnings():  # type hints cannot say "any number of arguments"
                 warnings.simplefilter("ignore", UserWarning)
                 udf = arrow_udf(grouped, "binary", ArrowUDFType.GROUPED_AGG_ITER)
-            spark.udf.register(name, udf)
+            spark.udf.register(kernel.name, udf)
             continue
-        function, _, result = _signature(name)
-        spark_type, arrow_type = RESULT_TYPES[str(result)]
-        spark.udf.register(name, arrow_udf(_batch_udf(function, arrow_type), spark_type))
+        spark_type, arrow_type = RESULT_TYPES[kernel.result]
+        spark.udf.register(kernel.name, arrow_udf(_batch_udf(implementation(kernel), arrow_type), spark_type))
 
 
 def translate(err: Exception, what: str) -> TraError:

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from sqlglot import exp
 
     from tra_sql.catalog import Finding, TensorInfo
+    from tra_sql.compile.program import Program
     from tra_sql.decompose.cost import Constants
     from tra_sql.decompose.plan import Plan
     from tra_sql.errors import TraError
     from tra_sql.graph import Node
-    from tra_sql.sqlgen import Program
 
 class Engine(ABC):
     """One database holding tensor relations (a catalog of ``TensorInfo`` rows and their tile

@@ -21,15 +21,15 @@ from tra_sql.decompose.cost import Constants, parse_bytes
 from tra_sql.engines import duckdb_catalog, staged
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, SpecError, TraError
-from tra_sql.udfs import register_kernels
+from tra_sql.udfs import protocol, register_kernels
 
 if TYPE_CHECKING:
+    from tra_sql.compile.program import Program
     from tra_sql.decompose.plan import Plan
     from tra_sql.graph import Node
-    from tra_sql.sqlgen import Program
 
 UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+): (.*)", re.S)
-RELATION_KERNELS = ("tra_pack", "tra_pack_f32", "tra_pack_tile", "tra_pack_csr")  # relation views call them
+RELATION_KERNELS = (protocol.PACK, protocol.PACK_F32, protocol.PACK_TILE, protocol.PACK_CSR)  # relation views call them
 CALIBRATION = "tra_calibration"  # the planner's constants measured on this database
 
 
@@ -91,14 +91,14 @@ class DuckDBEngine(Engine):
 
     # -- programs and statements --------------------------------------------------------
     def run(self, program: Program) -> pa.Table:
-        self.ensure_kernels(program.udfs)
+        self.ensure_kernels(program.kernels)
         try:
             return self.con.sql(program.sql(pretty=False)).to_arrow_table()
         except duckdb.Error as err:
             raise translate(err, f"computing {program.root.label}") from None
 
     def store(self, info: TensorInfo, program: Program, replace: bool = False) -> None:
-        self.ensure_kernels(program.udfs)
+        self.ensure_kernels(program.kernels)
         self._create(info, program.sql(pretty=False), replace)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:

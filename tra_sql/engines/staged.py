@@ -22,12 +22,13 @@ from sqlglot import exp
 
 from tra_sql import graph
 from tra_sql.aggregates import AGGREGATES
+from tra_sql.compile.blocks import key
+from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Budget, Constants, op_cost, repartition_bands, retile_traffic
 from tra_sql.decompose.problem import extract, is_retile
 from tra_sql.einsum import EinsumSpec
 from tra_sql.engines.duckdb_catalog import STAGE_PREFIX
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
-from tra_sql.sqlgen import Program, key
 
 if TYPE_CHECKING:
     from tra_sql.decompose.plan import Plan
@@ -153,7 +154,7 @@ def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Bu
 def materialize(engine: DuckDBEngine, node: Node, table: str, consts: Constants, budget: Budget) -> None:
     """Create ``table`` holding ``node``'s tiles (its inputs are stored tables)."""
     program = Program.compile(node)
-    engine.ensure_kernels(program.udfs)
+    engine.ensure_kernels(program.kernels)
     select = program.query()
     _create(engine, table, len(node.shape))
     if is_retile(node):
@@ -195,7 +196,7 @@ def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], spl
             shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
             band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
             program = Program.compile(band if acc is None or into != target else _accumulate(band, acc))
-            engine.ensure_kernels(program.udfs)
+            engine.ensure_kernels(program.kernels)
             for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
                 ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
                 query = _restrict(program.query(), node,
@@ -203,7 +204,7 @@ def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], spl
                 engine.con.execute(f'INSERT INTO "{into}" {query.sql(dialect="duckdb")}').fetchall()
             if into != target:
                 added = Program.compile(graph.add([Source(node.shape, node.dtype, node.tile, into, node.layout), acc]))
-                engine.ensure_kernels(added.udfs)
+                engine.ensure_kernels(added.kernels)
                 engine.con.execute(f'INSERT INTO "{target}" {added.sql(pretty=False)}').fetchall()
                 _drop(engine, [into])
             if acc is not None:

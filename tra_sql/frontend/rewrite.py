@@ -93,7 +93,7 @@ class Rewriter(TensorFunctions):
         if self.run:
             budget.check_program(self.session, tensor.node)
         program = tensor.program()
-        self.session.engine.ensure_kernels(program.udfs)
+        self.session.engine.ensure_kernels(program.kernels)
         select = program.query()
         used = [n.table for n in topological(tensor.node) if isinstance(n, Source) and n.table in self.literals]
         if used:

@@ -13,6 +13,7 @@ from tra_sql.frontend.blame import blamed, engine_error
 from tra_sql.frontend.ddl import create_tensor, drop_tensor
 from tra_sql.frontend.rewrite import Rewriter
 from tra_sql.frontend.statements import Statement, explained, is_extended, split_statements
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -78,7 +79,8 @@ class Frontend:
     # -- what the engine does (DuckDB here) -----------------------------------------------
     def prepare(self) -> None:
         """Register the element-level tile functions (``tra_sql.udfs.elements``)."""
-        self.session.engine.ensure_kernels(["tra_tile_values", "tra_tile_ints", "tra_random_tile", "tra_pack_tile"])
+        self.session.engine.ensure_kernels(
+            [protocol.TILE_VALUES, protocol.TILE_INTS, protocol.RANDOM_TILE, protocol.PACK_TILE])
 
     def plain(self, sql: str, params, cursor: bool, where: str):
         """Run ``sql`` as it is (its errors name ``where``): DuckDB's relation, or with
