@@ -26,8 +26,8 @@ from math import prod
 from sqlglot import exp
 
 from tra_sql import graph
+from tra_sql.expressions import parse_join
 from tra_sql.graph import Einsum, Fill, Node, Place, Source
-from tra_sql.udfs.expr import parse_join
 
 
 def absorbs(join: str | None, agg: str, m: int) -> bool:

@@ -34,8 +34,9 @@ from sqlglot import exp
 
 from tra_sql import graph
 from tra_sql.absent import Completeness
-from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql, variables
+from tra_sql.derivative import diff, through_output
 from tra_sql.errors import DTypeError, ShapeError
+from tra_sql.expressions import div, is_zero, mul, num, parse_join, product, rename, to_sql, variables
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
 
 if TYPE_CHECKING:
@@ -225,7 +226,7 @@ def _helper(ctx: Context, node: Einsum, what: str, join: str, agg: str, extra: N
 
 def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
     n, o = len(node.operands), node.spec.output
-    J = parse(node.join) if node.join else product(n)
+    J = parse_join(node.join) if node.join else product(n)
     agg = node.agg if node.spec.aggregated else "sum"
     if agg in ("max", "min") and node.dtype == np.float32 and not isinstance(J, exp.Column):
         yield from _via_elementwise(node, g, needs, ctx)
