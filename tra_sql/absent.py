@@ -26,14 +26,16 @@ from math import prod
 from sqlglot import exp
 
 from tra_sql import graph
+from tra_sql.aggregates import AGGREGATES
 from tra_sql.expressions import parse_join
 from tra_sql.graph import Einsum, Fill, Node, Place, Source
 
 
 def absorbs(join: str | None, agg: str, m: int) -> bool:
-    """Whether absent tiles of operand ``m`` contribute nothing: ``agg`` is a sum and ``join``
-    is zero wherever ``x<m>`` is (the default product, or a product with ``x<m>`` a factor)."""
-    if agg != "sum":
+    """Whether absent tiles of operand ``m`` contribute nothing: ``agg`` absorbs zeros (a sum)
+    and ``join`` is zero wherever ``x<m>`` is (the default product, or a product with ``x<m>``
+    a factor)."""
+    if not AGGREGATES[agg].absorbs_zeros:
         return False
     return join is None or _factor(parse_join(join), f"x{m}")
 

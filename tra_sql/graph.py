@@ -13,7 +13,8 @@ from math import ceil
 import numpy as np
 import opt_einsum
 
-from tra_sql.einsum import AGGREGATES, EinsumSpec, broadcast, parse_spec
+from tra_sql.aggregates import AGGREGATES
+from tra_sql.einsum import EinsumSpec, broadcast, parse_spec
 from tra_sql.errors import DTypeError, ShapeError, SpecError
 
 
@@ -208,8 +209,8 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
 
     Each index takes the tile size it has in the first operand that uses it (CSR operands
     first: they cannot be re-tiled); operands tiled otherwise are re-tiled. Three or more
-    operands with the default join and ``sum`` follow opt_einsum's contraction path as
-    pairwise steps.
+    operands with the default join and an aggregation that ``contracts`` (``sum``) follow
+    opt_einsum's contraction path as pairwise steps.
     """
     if agg not in AGGREGATES:
         raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
@@ -226,7 +227,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
             tiles.setdefault(c, t)
     aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]
     dtype = result_dtype(operands, join)
-    if len(aligned) <= 2 or join is not None or agg != "sum":
+    if len(aligned) <= 2 or join is not None or not AGGREGATES[agg].contracts:
         return _step(parsed, aligned, sizes, tiles, dtype, join, agg)
     _, info = opt_einsum.contract_path(
         str(parsed), *[op.shape for op in aligned], shapes=True, optimize="auto"
@@ -235,7 +236,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
     for positions, _, step_spec, _, _ in info.contraction_list:
         chosen = [pending.pop(p) for p in sorted(positions, reverse=True)]
         step = parse_spec(step_spec, len(chosen))
-        pending.append(_step(step, chosen, sizes, tiles, dtype, None, "sum"))
+        pending.append(_step(step, chosen, sizes, tiles, dtype, None, agg))
     return pending[0]
 
 

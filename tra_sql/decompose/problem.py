@@ -15,6 +15,7 @@ from math import ceil, prod
 
 import numpy as np
 
+from tra_sql.aggregates import AGGREGATES
 from tra_sql.graph import Einsum, Fill, Node, Place, topological
 
 #: Parts tried per index (normalized per size, see ``normalize``), besides those the presets
@@ -80,7 +81,7 @@ class Op:
     @property
     def blas(self) -> bool:
         """Whether the tile kernel is a BLAS contraction (see ``udfs.contract``)."""
-        if self.node.join is not None or self.node.agg != "sum" or len(self.inputs) != 2:
+        if self.node.join is not None or not AGGREGATES[self.node.agg].contracts or len(self.inputs) != 2:
             return False
         a, b = self.node.spec.inputs
         out = self.node.spec.output
