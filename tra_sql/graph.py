@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import ceil
+from typing import ClassVar
 
 import numpy as np
 import opt_einsum
@@ -24,13 +25,16 @@ class Node:
     dtype: np.dtype
     tile: tuple[int, ...]
 
+    #: the field that holds a kind's input nodes (a tuple); None for a leaf
+    INPUTS: ClassVar[str | None] = None
+
     @property
     def grid(self) -> tuple[int, ...]:
         return tuple(ceil(n / t) for n, t in zip(self.shape, self.tile))
 
     @property
     def inputs(self) -> tuple[Node, ...]:
-        return ()
+        return getattr(self, self.INPUTS) if self.INPUTS else ()
 
     @property
     def label(self) -> str:
@@ -82,15 +86,13 @@ class Place(Node):
     flat: bool = False
     add: bool = False
 
+    INPUTS: ClassVar[str] = "sources"
+
     def __post_init__(self):
         sparse = [s for s in self.sources if s.layout != "dense"]
         if sparse:
             raise ShapeError(f"{self.label} needs dense tiles, but {sparse[0].label} is stored {sparse[0].layout}: "
                              f"store it with the tiling the program needs")
-
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        return self.sources
 
     @property
     def label(self) -> str:
@@ -126,9 +128,7 @@ class Einsum(Node):
     agg: str
     softmax: Softmax | None = None
 
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        return self.operands
+    INPUTS: ClassVar[str] = "operands"
 
     @property
     def label(self) -> str:
@@ -253,11 +253,9 @@ def with_inputs(node: Node, inputs) -> Node:
     inputs = tuple(inputs)
     if all(a is b for a, b in zip(inputs, node.inputs)):
         return node
-    if isinstance(node, Einsum):
-        return replace(node, operands=inputs)
-    if isinstance(node, Place):
-        return replace(node, sources=inputs)
-    raise TypeError(f"{node.label} has no inputs to replace")
+    if node.INPUTS is None:
+        raise TypeError(f"{node.label} has no inputs to replace")
+    return replace(node, **{node.INPUTS: inputs})
 
 
 def topological(root: Node) -> list[Node]:
