@@ -24,6 +24,7 @@ from tra_sql.errors import (
     TensorExistsError,
     UnknownTensorError,
 )
+from tra_sql.graph import default_tile
 from tra_sql.udfs import sparse
 from tra_sql.udfs.arrowio import binary_views
 
@@ -32,7 +33,6 @@ DTYPES = ("float32", "float64", "int32", "int64")
 LAYOUTS = ("dense", "csr")
 KEY_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-DEFAULT_TILE_ELEMENTS = 1 << 20
 HEADER_BYTES = 3 * 4096  # a DuckDB file's main header and its two database headers
 STAGE_PREFIX = "_tra_stage_"  # the tables of a planned store's steps (tra_sql.decompose.execute)
 
@@ -91,15 +91,6 @@ class TensorInfo:
 
     def tile_shape(self, key) -> tuple[int, ...]:
         return tuple(min(t, n - k * t) for k, n, t in zip(key, self.shape, self.tile))
-
-
-def default_tile(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Halve the largest dimension until a tile holds at most 2^20 elements."""
-    tile = list(shape)
-    while prod(tile) > DEFAULT_TILE_ELEMENTS:
-        d = max(range(len(tile)), key=tile.__getitem__)
-        tile[d] = ceil(tile[d] / 2)
-    return tuple(tile)
 
 
 def check_tile(shape: tuple[int, ...], tile, name: str) -> tuple[int, ...]:

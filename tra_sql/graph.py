@@ -8,7 +8,7 @@ errors surface when the program is written, not when it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from math import ceil
+from math import ceil, prod
 from typing import ClassVar
 
 import numpy as np
@@ -148,6 +148,19 @@ class Einsum(Node):
     @property
     def tiles(self) -> dict[str, int]:
         return {c: t for sub, op in zip(self.spec.inputs, self.operands) for c, t in zip(sub, op.tile)}
+
+
+DEFAULT_TILE_ELEMENTS = 1 << 20
+
+
+def default_tile(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tile shape of a tensor stored without one: the largest dimension halved until a
+    tile holds at most 2^20 elements."""
+    tile = list(shape)
+    while prod(tile) > DEFAULT_TILE_ELEMENTS:
+        d = max(range(len(tile)), key=tile.__getitem__)
+        tile[d] = ceil(tile[d] / 2)
+    return tuple(tile)
 
 
 def retile(node: Node, tile: tuple[int, ...]) -> Node:
