@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
-from tra_sql import derivative, graph
+from tra_sql import derivative, expressions, graph
 from tra_sql.autodiff import Context, gradients
 from tra_sql.udfs.expr import join_code
 
@@ -54,8 +54,8 @@ def _evaluate(sql: str, values) -> float:
 
 
 def _symbolic(sql: str, values) -> list[float]:
-    expr = derivative.parse(sql)
-    return [_evaluate(derivative.to_sql(derivative.diff(expr, f"x{k}")), values) for k in range(2)]
+    expr = expressions.parse_join(sql)
+    return [_evaluate(expressions.to_sql(derivative.diff(expr, f"x{k}")), values) for k in range(2)]
 
 
 @pytest.mark.parametrize("sql,fn", RULES, ids=[r[0] for r in RULES])
@@ -91,20 +91,20 @@ def test_pytorch_conventions_at_special_points(sql, point, expected):
 
 def test_unknown_function_raises_not_a_silent_zero():
     with pytest.raises(tra_sql.TraError, match="no derivative rule"):
-        derivative.diff(derivative.parse("atan(x0) * x1"), "x0")
+        derivative.diff(expressions.parse_join("atan(x0) * x1"), "x0")
     # a node built around the Python API's validation still fails clearly when differentiated
     node = graph.Source((3,), np.dtype("float64"), (3,), "t")
     bad = graph.einsum("i->", [node], ["t"], join="cot(x0)")
     with pytest.raises(tra_sql.TraError, match="cot"):
         gradients(bad, [node], Context(lambda n: True, None))
     # but a constant subexpression needs no rule
-    assert derivative.to_sql(derivative.diff(derivative.parse("x0 * cot(2)"), "x0")) == "COT(2)"
+    assert expressions.to_sql(derivative.diff(expressions.parse_join("x0 * cot(2)"), "x0")) == "COT(2)"
 
 
 def test_derivative_simplifies():
-    d = derivative.diff(derivative.parse("x0 * x1 + 0 * x0"), "x0")
-    assert derivative.to_sql(d) == "x1"
-    assert derivative.to_sql(derivative.diff(derivative.parse("exp(x1)"), "x0")) == "0"
+    d = derivative.diff(expressions.parse_join("x0 * x1 + 0 * x0"), "x0")
+    assert expressions.to_sql(d) == "x1"
+    assert expressions.to_sql(derivative.diff(expressions.parse_join("exp(x1)"), "x0")) == "0"
 
 
 @pytest.mark.parametrize("join, var, over_y", [
@@ -118,9 +118,9 @@ def test_derivative_simplifies():
     ("greatest(x0, x1)", "x0", None),  # no constant to compare the output with
 ])
 def test_derivative_over_the_output(join, var, over_y):
-    J = derivative.parse(join)
+    J = expressions.parse_join(join)
     got = derivative.through_output(J, derivative.diff(J, var), "_y")
-    assert (got if got is None else derivative.to_sql(got)) == over_y
+    assert (got if got is None else expressions.to_sql(got)) == over_y
 
 
 def test_relu_backward_reads_its_output_not_its_input(db, rng):

@@ -481,7 +481,7 @@ def random_call(draw, shape=None) -> Expr:
     options = [f"shape => {list(shape)}"] if draw(st.booleans()) else [str(list(shape))]
     options += [f"tile => {list(tile)}"] if tile else []
     options += [f"seed => {seed}", f"dist => '{dist}'", f"dtype => '{dtype}'"]
-    tile = tile or tra_sql.catalog.default_tile(shape)
+    tile = tile or tra_sql.graph.default_tile(shape)
     return Expr(f"tra_random({', '.join(options)})", random_reference(shape, tile, seed, dist, dtype), tile)
 
 

@@ -26,14 +26,17 @@ from math import prod
 from sqlglot import exp
 
 from tra_sql import graph
+from tra_sql.aggregates import AGGREGATES
+from tra_sql.expressions import parse_join
 from tra_sql.graph import Einsum, Fill, Node, Place, Source
-from tra_sql.udfs.expr import parse_join
+from tra_sql.kinds import Rules
 
 
 def absorbs(join: str | None, agg: str, m: int) -> bool:
-    """Whether absent tiles of operand ``m`` contribute nothing: ``agg`` is a sum and ``join``
-    is zero wherever ``x<m>`` is (the default product, or a product with ``x<m>`` a factor)."""
-    if agg != "sum":
+    """Whether absent tiles of operand ``m`` contribute nothing: ``agg`` absorbs zeros (a sum)
+    and ``join`` is zero wherever ``x<m>`` is (the default product, or a product with ``x<m>``
+    a factor)."""
+    if not AGGREGATES[agg].absorbs_zeros:
         return False
     return join is None or _factor(parse_join(join), f"x{m}")
 
@@ -57,6 +60,11 @@ def _factor(expr: exp.Expression, name: str) -> bool:
     return isinstance(expr, exp.Column) and not expr.table and expr.name == name
 
 
+COMPLETE: Rules = Rules("completeness")
+"""``rule(node, complete)``: whether ``node`` has a tile at every key of its grid, given
+``complete`` for its inputs (a kind without a rule may lack tiles)."""
+
+
 class Completeness:
     """Which nodes have a tile at every key of their grid (whatever their layout);
     ``source_complete`` answers for stored relations (it counts their rows)."""
@@ -67,25 +75,36 @@ class Completeness:
 
     def __call__(self, node: Node) -> bool:
         if id(node) not in self.memo:
-            self.memo[id(node)] = self._complete(node)
+            rule = COMPLETE.get(node)
+            self.memo[id(node)] = rule is not None and rule(node, self)
         return self.memo[id(node)]
 
-    def _complete(self, node: Node) -> bool:
-        if isinstance(node, Fill):
-            return True
-        if isinstance(node, Source):
-            return self.source_complete(node)
-        if isinstance(node, Einsum):  # an inner join of complete operands has every output key
-            return all(self(op) for op in node.operands)
-        if isinstance(node, Place):
-            if node.flat:
-                return self(node.sources[0])
-            volumes = [covered(node, m) for m in range(len(node.sources))]
-            total = prod(node.shape)
-            if node.add:
-                return any(v == total and self(s) for v, s in zip(volumes, node.sources))
-            return all(self(s) for s in node.sources) and sum(volumes) >= total
-        return False
+
+@COMPLETE.register(Fill)
+def _fill_complete(node: Fill, complete: Completeness) -> bool:
+    return True
+
+
+@COMPLETE.register(Source)
+def _source_complete(node: Source, complete: Completeness) -> bool:
+    return complete.source_complete(node)
+
+
+@COMPLETE.register(Einsum)
+def _einsum_complete(node: Einsum, complete: Completeness) -> bool:
+    """An inner join of complete operands has every output key."""
+    return all(complete(op) for op in node.operands)
+
+
+@COMPLETE.register(Place)
+def _place_complete(node: Place, complete: Completeness) -> bool:
+    if node.flat:
+        return complete(node.sources[0])
+    volumes = [covered(node, m) for m in range(len(node.sources))]
+    total = prod(node.shape)
+    if node.add:
+        return any(v == total and complete(s) for v, s in zip(volumes, node.sources))
+    return all(complete(s) for s in node.sources) and sum(volumes) >= total
 
 
 def covered(node: Place, m: int) -> int:

@@ -1,9 +1,13 @@
-"""Reverse-mode differentiation of the lazy DAG, one rule per node kind (docs/training.md).
+"""Reverse-mode differentiation of the lazy DAG, one rule per node kind in ``GRADIENT``
+(docs/training.md).
 
 The gradient of a node is built from the same node kinds, so it compiles to SQL like any
 program (``db.grad(loss, [W])[0].sql()`` shows it):
 
-- ``Einsum`` with ``agg='sum'``: ``d x_i = Σ_{indices not in x_i} dOut[o] · ∂⊗/∂x_i(...)``, an
+- ``Einsum``: an aggregating einsum runs its aggregation's ``gradient`` rule
+  (``tra_sql.aggregates``), handed a ``Backward`` (``_vjp`` and cached helper reductions); an
+  element-wise one (no aggregated index) ``d x_i = dOut[o] · ∂⊗/∂x_i(...)``. The sum's rule,
+  ``d x_i = Σ_{indices not in x_i} dOut[o] · ∂⊗/∂x_i(...)``, is an
   einsum whose join is ``x0 * <symbolic derivative>`` (``tra_sql.derivative``). With the
   default product join the derivative is the product of the other operands, so the gradient
   is again a plain contraction (BLAS). Operands the derivative does not use are dropped when
@@ -11,11 +15,7 @@ program (``db.grad(loss, [W])[0].sql()`` shows it):
   join filters under a non-product join (only their entries take part; a dense operand that
   lacks tiles was completed with zeros, see ``tra_sql.absent``), and a sparse ``x_i`` filters
   its own gradient, so a gradient with respect to a sparse relation exists at its keys only.
-- ``agg='max'``/``'min'``: the gradient goes to the elements equal to the result, split evenly
-  among ties (as ``torch.amax``): ``dOut · [⊗ = out] / count(⊗ = out) · ∂⊗/∂x_i``. float32
-  with a computed join first materializes ⊗ elementwise, so the comparison is exact.
-- ``agg='prod'``: ``dOut · out / ⊗ · ∂⊗/∂x_i``, computed as PyTorch does without dividing by
-  zero: with one zero factor in a group only that element gets the product of the others.
+  ``max``/``min`` route to the elements equal to the result, ``prod`` divides the product.
 - ``Place`` (re-tile, slice, concatenation, reshape, keyed sum): the transposed placement.
 - Fan-out: a node used several times gets the keyed sum (``graph.add``) of its gradients.
 """
@@ -26,21 +26,22 @@ import dataclasses
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from math import prod
-from typing import TYPE_CHECKING
 
 import numpy as np
 from sqlglot import exp
 
 from tra_sql import graph
 from tra_sql.absent import Completeness
-from tra_sql.derivative import diff, div, is_zero, mul, num, parse, product, rename, through_output, to_sql, variables
+from tra_sql.aggregates import AGGREGATES
+from tra_sql.derivative import diff, through_output
 from tra_sql.errors import DTypeError, ShapeError
+from tra_sql.expressions import is_zero, mul, num, parse_join, product, rename, shift, to_sql, variables
 from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
+from tra_sql.kinds import Rules
 
-if TYPE_CHECKING:
-    from tra_sql.session import Session
-    from tra_sql.tensor import Tensor
+GRADIENT: Rules = Rules("gradient")
+"""Each node kind's rule: ``rule(node, g, needs, ctx)`` yields ``(input, contribution)``
+pairs (a kind without a rule passes no gradient on)."""
 
 
 @dataclass
@@ -97,7 +98,7 @@ def gradients(loss: Node, wrt: Sequence[Node], ctx: Context, seed: Node | None =
             ctx.tight.add((id(node), id(g)))
         if id(node) in targets:
             found[id(node)] = g
-        rule = RULES.get(type(node))
+        rule = GRADIENT.get(node)
         if rule is None:
             continue
         for child, contribution in rule(node, g, needs, ctx):
@@ -141,23 +142,23 @@ def _letters(n: int) -> str:
 
 
 # -- einsum -------------------------------------------------------------------------------
-def _vjp(node: Einsum, i: int, lead: list[tuple[str, Node]], expr: exp.Expression, ctx: Context,
+def _vjp(node: Einsum, i: int, lead: list[Node], expr: exp.Expression, ctx: Context,
          within_output: bool = False) -> Node | None:
     """``Σ over the indices not in operand i`` of ``expr``, an expression over the ``lead``
-    operands (``x0..``, the first being the output's gradient) followed by the forward
-    operands (``x<len(lead)+k>``). ``within_output``: a lead operand is the forward output of
-    an element-wise ``node``, whose tiles lie where every operand has one."""
+    nodes (``x0..``, subscripted like the output, the first being its gradient) followed by
+    the forward operands (``x<len(lead)+k>``). ``within_output``: a lead node is the forward
+    output of an element-wise ``node``, whose tiles lie where every operand has one."""
     if is_zero(expr):
         return None
     subs, target, o = node.spec.inputs, node.spec.inputs[i], node.spec.output
-    candidates = list(lead) + list(zip(subs, node.operands))
+    candidates = [(o, x) for x in lead] + list(zip(subs, node.operands))
     used = variables(expr)
     # Sparse operands stay as join filters: under a non-product join only a CSR operand's entries
     # take part (a dense one that lacks tiles was completed, see tra_sql.absent), and the
     # gradient of a sparse operand itself exists at its keys only (no dense outer products). A
     # filter is redundant where the output's gradient lies within the output's tiles (the
     # forward join already kept only keys where every operand has a tile) and covers its indices.
-    g_tight = (id(node), id(lead[0][1])) in ctx.tight
+    g_tight = (id(node), id(lead[0])) in ctx.tight
     filters = [not within_output and m >= len(lead) and (node.join is not None or m == len(lead) + i)
                and not ctx.dense(op)
                and not (g_tight and set(sub) <= set(o)) for m, (sub, op) in enumerate(candidates)]
@@ -208,99 +209,100 @@ def _is_product(expr: exp.Expression, n: int) -> bool:
     return len(names) == len(factors) == n and set(names) == {f"x{m}" for m in range(n)}
 
 
-def _shift(expr: exp.Expression, n: int, by: int) -> exp.Expression:
-    return rename(expr, {f"x{k}": f"x{k + by}" for k in range(n)})
-
-
-def _helper(ctx: Context, node: Einsum, what: str, join: str, agg: str, extra: Node | None = None) -> Node:
-    """An auxiliary reduction over ``node``'s operands (and its output ``extra``), cached."""
+def _helper(ctx: Context, node: Einsum, what: str, join: str, agg: str, with_output: bool) -> Node:
+    """An auxiliary reduction over ``node``'s operands (and its output), cached."""
     key = (id(node), what)
     if key not in ctx.cache:
-        subs = list(node.spec.inputs) + ([node.spec.output] if extra is not None else [])
-        ops = list(node.operands) + ([extra] if extra is not None else [])
+        subs = list(node.spec.inputs) + ([node.spec.output] if with_output else [])
+        ops = list(node.operands) + ([node] if with_output else [])
         ctx.cache[key] = graph.einsum(",".join(subs) + "->" + node.spec.output, ops, [node.label] * len(ops),
                                       join, agg)
     return ctx.cache[key]
 
 
+@dataclass
+class _Backward:
+    """The ``aggregates.Backward`` autodiff hands an aggregation's gradient rule."""
+
+    node: Einsum
+    g: Node
+    join: exp.Expression
+    needs: set[int]
+    ctx: Context
+
+    def operands(self, part):
+        node, o = self.node, self.node.spec.output
+        for i in sorted(range(len(node.operands)), key=lambda m: node.spec.inputs[m] != o):
+            op = node.operands[i]
+            if id(op) not in self.needs:
+                continue
+            D = diff(self.join, f"x{i}", node.join)
+            if is_zero(D):
+                continue
+            result = part(i, D)
+            if result is not None:
+                yield op, result
+
+    def reduce(self, i: int, lead: list[Node], expr: exp.Expression, within_output: bool = False) -> Node | None:
+        return _vjp(self.node, i, lead, expr, self.ctx, within_output)
+
+    def helper(self, what: str, join: str, agg: str, with_output: bool = False) -> Node:
+        return _helper(self.ctx, self.node, what, join, agg, with_output)
+
+    def einsum(self, spec: str, operands: list[Node], join: str | None) -> Node:
+        return graph.einsum(spec, operands, [self.node.label] * len(operands), join)
+
+    def through(self, einsum: Node, gradient: Node):
+        self.ctx.tight.add((id(einsum), id(gradient)))
+        return GRADIENT(einsum)(einsum, gradient, self.needs, self.ctx)
+
+
+@GRADIENT.register(Einsum)
 def _einsum_rule(node: Einsum, g: Node, needs: set[int], ctx: Context):
-    n, o = len(node.operands), node.spec.output
-    J = parse(node.join) if node.join else product(n)
-    agg = node.agg if node.spec.aggregated else "sum"
-    if agg in ("max", "min") and node.dtype == np.float32 and not isinstance(J, exp.Column):
-        yield from _via_elementwise(node, g, needs, ctx)
-        return
-    # an element-wise einsum's operands with the same derivative (x0 + x1 in a bias add) share
-    # g·D at the output's shape: the broadcast ones sum it, rather than recompute it from g
+    J = parse_join(node.join) if node.join else product(len(node.operands))
+    backward = _Backward(node, g, J, needs, ctx)
+    if node.spec.aggregated:
+        return AGGREGATES[node.agg].gradient(backward)
+    return _elementwise_rule(backward)
+
+
+def _elementwise_rule(b: _Backward):
+    """An einsum without aggregated indices: ``d x_i = dOut · ∂join/∂x_i`` (summed over the
+    indices a broadcast ``x_i`` lacks). Operands with the same derivative (``x0 + x1`` in a
+    bias add) share ``g·D`` at the output's shape: the broadcast ones sum it, rather than
+    recompute it from ``g``; a derivative that can be written over the output reads it."""
+    node, g, o, n = b.node, b.g, b.node.spec.output, len(b.node.operands)
     at_output: dict[str, Node] = {}
-    for i in sorted(range(n), key=lambda m: node.spec.inputs[m] != o):
+
+    def part(i: int, D: exp.Expression) -> Node | None:
         op, sub = node.operands[i], node.spec.inputs[i]
-        if id(op) not in needs:
-            continue
-        D = diff(J, f"x{i}", node.join)
-        if is_zero(D):
-            continue
-        if agg == "sum":
-            shared = at_output.get(to_sql(D)) if not node.spec.aggregated and len(set(sub)) == len(sub) \
-                and ctx.dense(op) else None
-            if shared is not None:
-                part = graph.einsum(f"{o}->{sub}", [shared], [f"d{node.label}"])
-            else:
-                over_y = _over_output(node, J, D)
-                if over_y is not None:  # g·D(y): the backward reads the output, not the inputs
-                    part = _vjp(node, i, [(o, g), (o, node)], mul(exp.column("x0"), over_y), ctx, True)
-                else:
-                    part = _vjp(node, i, [(o, g)], mul(exp.column("x0"), _shift(D, n, 1)), ctx)
-                if sub == o and part is not None:
-                    at_output[to_sql(D)] = part
-        elif agg in ("max", "min"):
-            hit = f"CASE WHEN {to_sql(J)} = x{n} THEN 1 ELSE 0 END"
-            count = _helper(ctx, node, "ties", hit, "sum", extra=node)
-            equal = exp.EQ(this=exp.Paren(this=_shift(J, n, 3)), expression=exp.column("x1"))
-            share = mul(div(exp.column("x0"), exp.column("x2")), _shift(D, n, 3))
-            expr = exp.Case(ifs=[exp.If(this=equal, true=share)], default=num(0))
-            part = _vjp(node, i, [(o, g), (o, node), (o, count)], expr, ctx)
+        shared = at_output.get(to_sql(D)) if len(set(sub)) == len(sub) and b.ctx.dense(op) else None
+        if shared is not None:
+            return graph.einsum(f"{o}->{sub}", [shared], [f"d{node.label}"])
+        over_y = _over_output(node, b.join, D)
+        if over_y is not None:  # g·D(y): the backward reads the output, not the inputs
+            result = b.reduce(i, [g, node], mul(exp.column("x0"), over_y), within_output=True)
         else:
-            text = to_sql(J)
-            nonzero = _helper(ctx, node, "nonzero", f"CASE WHEN {text} = 0 THEN 1 ELSE {text} END", "prod")
-            zeros = _helper(ctx, node, "zeros", f"CASE WHEN {text} = 0 THEN 1 ELSE 0 END", "sum")
-            Jp, Dp = exp.Paren(this=_shift(J, n, 3)), _shift(D, n, 3)
-            scaled = mul(mul(exp.column("x0"), exp.column("x1")), Dp)
-            expr = exp.Case(ifs=[
-                exp.If(this=exp.EQ(this=exp.column("x2"), expression=num(0)), true=div(scaled, Jp)),
-                exp.If(this=exp.And(this=exp.EQ(this=exp.column("x2"), expression=num(1)),
-                                    expression=exp.EQ(this=Jp.copy(), expression=num(0))), true=scaled),
-            ], default=num(0))
-            part = _vjp(node, i, [(o, g), (o, nonzero), (o, zeros)], expr, ctx)
-        if part is not None:
-            yield op, part
+            result = b.reduce(i, [g], mul(exp.column("x0"), shift(D, n, 1)))
+        if sub == o and result is not None:
+            at_output[to_sql(D)] = result
+        return result
+
+    return b.operands(part)
 
 
 def _over_output(node: Einsum, J: exp.Expression, D: exp.Expression) -> exp.Expression | None:
     """``D`` over the output ``y = J`` (as ``x1``, after the gradient ``x0``) for an
     element-wise einsum of dense tiles whose derivative can be written so (ReLU, tanh,
     sigmoid, exp)."""
-    if node.spec.aggregated or any(n.layout != "dense" for n in (node, *node.operands)) or not variables(D):
+    if any(n.layout != "dense" for n in (node, *node.operands)) or not variables(D):
         return None
     over_y = through_output(J, D, "_y")
     return None if over_y is None else rename(over_y, {"_y": "x1"})
 
 
-def _via_elementwise(node: Einsum, g: Node, needs: set[int], ctx: Context):
-    """max/min of a float32 join: materialize ``E = ⊗`` over all indices, route the gradient
-    to ``E``'s extremal elements, then differentiate the elementwise einsum."""
-    subs, o = node.spec.inputs, node.spec.output
-    every = "".join(dict.fromkeys("".join(subs)))
-    E = graph.einsum(",".join(subs) + "->" + every, list(node.operands), [node.label] * len(subs), node.join)
-    count = graph.einsum(f"{every},{o}->{o}", [E, node], [node.label] * 2, "CASE WHEN x0 = x1 THEN 1 ELSE 0 END")
-    dE = graph.einsum(f"{o},{o},{o},{every}->{every}", [g, node, count, E], [node.label] * 4,
-                      "CASE WHEN x3 = x1 THEN x0 / x2 ELSE 0 END")
-    ctx.tight.add((id(E), id(dE)))
-    assert isinstance(E, Einsum)
-    yield from _einsum_rule(E, dE, needs, ctx)
-
-
 # -- structural ops -------------------------------------------------------------------------
+@GRADIENT.register(Place)
 def _place_rule(node: Place, g: Node, needs: set[int], ctx: Context):
     for m, src in enumerate(node.sources):
         if id(src) not in needs:
@@ -316,9 +318,6 @@ def _place_rule(node: Place, g: Node, needs: set[int], ctx: Context):
         yield src, part
 
 
-RULES = {Einsum: _einsum_rule, Place: _place_rule}
-
-
 def stop_gradient(node: Node) -> Node:
     """A copy of ``node`` (same SQL, computed once) that gradients do not flow through, like
     ``torch.Tensor.detach``: e.g. the max subtracted inside a log-sum-exp for stability."""
@@ -326,42 +325,3 @@ def stop_gradient(node: Node) -> Node:
     copy.constant = True
     return copy
 
-
-# -- session-level API ----------------------------------------------------------------------
-def context(db: Session) -> Context:
-    """A ``Context`` that asks ``db`` which relations are dense and stores identity matrices."""
-    counts: dict[str, bool] = {}
-
-    def source_dense(node: Source) -> bool:
-        if node.table not in counts:
-            counts[node.table] = db.tile_count(node.table) >= prod(node.grid)
-        return counts[node.table]
-
-    def eye(n: int, dtype: np.dtype) -> Node:
-        name = f"tra_eye_{n}_{np.dtype(dtype).name}"
-        if name not in db.tensors():
-            db.from_numpy(name, np.eye(n, dtype=dtype))
-        return db.tensor(name).node
-
-    return Context(source_dense, eye)
-
-
-def grad(db: Session, loss: Tensor, wrt, seed: Tensor | None = None):
-    """Gradients of ``loss`` with respect to ``wrt`` (a Tensor, a name, or a list of them) as
-    lazy Tensors: relational programs whose SQL ``Tensor.sql()`` shows."""
-    from tra_sql.tensor import Tensor
-
-    single = not isinstance(wrt, (list, tuple))
-    items = [wrt] if single else list(wrt)
-    nodes = [db._node(w)[0] for w in items]
-    loss_node = db._node(loss)[0]
-    seed_node = db._node(seed)[0] if seed is not None else None
-    result = [Tensor(db, n) for n in gradients(loss_node, nodes, context(db), seed_node)]
-    return result[0] if single else result
-
-
-def detach(db: Session, tensor: Tensor) -> Tensor:
-    """``tensor`` as a constant for differentiation (see ``stop_gradient``)."""
-    from tra_sql.tensor import Tensor
-
-    return Tensor(db, stop_gradient(db._node(tensor)[0]))

@@ -13,6 +13,7 @@ import pyarrow as pa
 from sqlglot import exp
 
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
+from tra_sql.graph import default_tile
 from tra_sql.udfs import sparse
 from tra_sql.udfs.arrowio import binary_views
 
@@ -20,7 +21,6 @@ CATALOG_TABLE = "tra_tensors"
 DTYPES = ("float32", "float64", "int32", "int64")
 LAYOUTS = ("dense", "csr")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-DEFAULT_TILE_ELEMENTS = 1 << 20
 
 
 def check_dtype(dtype) -> np.dtype:
@@ -56,15 +56,6 @@ class TensorInfo:
 
     def tile_shape(self, key) -> tuple[int, ...]:
         return tuple(min(t, n - k * t) for k, n, t in zip(key, self.shape, self.tile))
-
-
-def default_tile(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Halve the largest dimension until a tile holds at most 2^20 elements."""
-    tile = list(shape)
-    while prod(tile) > DEFAULT_TILE_ELEMENTS:
-        d = max(range(len(tile)), key=tile.__getitem__)
-        tile[d] = ceil(tile[d] / 2)
-    return tuple(tile)
 
 
 def check_tile(shape: tuple[int, ...], tile, name: str) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from tra_sql.errors import ShapeError, SpecError
 
 LETTERS = set(string.ascii_letters)
-AGGREGATES = ("sum", "max", "min", "prod")
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ errors surface when the program is written, not when it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from math import ceil
+from math import ceil, prod
+from typing import ClassVar
 
 import numpy as np
 import opt_einsum
 
-from tra_sql.einsum import AGGREGATES, EinsumSpec, broadcast, parse_spec
+from tra_sql.aggregates import AGGREGATES
+from tra_sql.einsum import EinsumSpec, broadcast, parse_spec
 from tra_sql.errors import DTypeError, ShapeError, SpecError
 
 
@@ -23,13 +25,16 @@ class Node:
     dtype: np.dtype
     tile: tuple[int, ...]
 
+    #: the field that holds a kind's input nodes (a tuple); None for a leaf
+    INPUTS: ClassVar[str | None] = None
+
     @property
     def grid(self) -> tuple[int, ...]:
         return tuple(ceil(n / t) for n, t in zip(self.shape, self.tile))
 
     @property
     def inputs(self) -> tuple[Node, ...]:
-        return ()
+        return getattr(self, self.INPUTS) if self.INPUTS else ()
 
     @property
     def label(self) -> str:
@@ -81,15 +86,13 @@ class Place(Node):
     flat: bool = False
     add: bool = False
 
+    INPUTS: ClassVar[str] = "sources"
+
     def __post_init__(self):
         sparse = [s for s in self.sources if s.layout != "dense"]
         if sparse:
             raise ShapeError(f"{self.label} needs dense tiles, but {sparse[0].label} is stored {sparse[0].layout}: "
                              f"store it with the tiling the program needs")
-
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        return self.sources
 
     @property
     def label(self) -> str:
@@ -125,9 +128,7 @@ class Einsum(Node):
     agg: str
     softmax: Softmax | None = None
 
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        return self.operands
+    INPUTS: ClassVar[str] = "operands"
 
     @property
     def label(self) -> str:
@@ -147,6 +148,19 @@ class Einsum(Node):
     @property
     def tiles(self) -> dict[str, int]:
         return {c: t for sub, op in zip(self.spec.inputs, self.operands) for c, t in zip(sub, op.tile)}
+
+
+DEFAULT_TILE_ELEMENTS = 1 << 20
+
+
+def default_tile(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tile shape of a tensor stored without one: the largest dimension halved until a
+    tile holds at most 2^20 elements."""
+    tile = list(shape)
+    while prod(tile) > DEFAULT_TILE_ELEMENTS:
+        d = max(range(len(tile)), key=tile.__getitem__)
+        tile[d] = ceil(tile[d] / 2)
+    return tuple(tile)
 
 
 def retile(node: Node, tile: tuple[int, ...]) -> Node:
@@ -208,8 +222,8 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
 
     Each index takes the tile size it has in the first operand that uses it (CSR operands
     first: they cannot be re-tiled); operands tiled otherwise are re-tiled. Three or more
-    operands with the default join and ``sum`` follow opt_einsum's contraction path as
-    pairwise steps.
+    operands with the default join and an aggregation that ``contracts`` (``sum``) follow
+    opt_einsum's contraction path as pairwise steps.
     """
     if agg not in AGGREGATES:
         raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
@@ -226,7 +240,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
             tiles.setdefault(c, t)
     aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]
     dtype = result_dtype(operands, join)
-    if len(aligned) <= 2 or join is not None or agg != "sum":
+    if len(aligned) <= 2 or join is not None or not AGGREGATES[agg].contracts:
         return _step(parsed, aligned, sizes, tiles, dtype, join, agg)
     _, info = opt_einsum.contract_path(
         str(parsed), *[op.shape for op in aligned], shapes=True, optimize="auto"
@@ -235,7 +249,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
     for positions, _, step_spec, _, _ in info.contraction_list:
         chosen = [pending.pop(p) for p in sorted(positions, reverse=True)]
         step = parse_spec(step_spec, len(chosen))
-        pending.append(_step(step, chosen, sizes, tiles, dtype, None, "sum"))
+        pending.append(_step(step, chosen, sizes, tiles, dtype, None, agg))
     return pending[0]
 
 
@@ -252,11 +266,9 @@ def with_inputs(node: Node, inputs) -> Node:
     inputs = tuple(inputs)
     if all(a is b for a, b in zip(inputs, node.inputs)):
         return node
-    if isinstance(node, Einsum):
-        return replace(node, operands=inputs)
-    if isinstance(node, Place):
-        return replace(node, sources=inputs)
-    raise TypeError(f"{node.label} has no inputs to replace")
+    if node.INPUTS is None:
+        raise TypeError(f"{node.label} has no inputs to replace")
+    return replace(node, **{node.INPUTS: inputs})
 
 
 def topological(root: Node) -> list[Node]:

@@ -12,8 +12,7 @@ from math import sqrt
 import numpy as np
 
 from tra_sql import graph
-from tra_sql.catalog import default_tile
-from tra_sql.graph import Node, Source
+from tra_sql.graph import Node, Source, default_tile
 
 Leaf = Callable[[str, tuple[int, ...]], Node]
 

@@ -28,9 +28,9 @@ from tra_sql.decompose.cost import (
     scan_memory,
 )
 from tra_sql.decompose.model import Model, axis_candidates, build
-from tra_sql.decompose.problem import extract, is_retile, producer
+from tra_sql.decompose.problem import CONSTANT, OP, RETILE, extract, producer, role
 from tra_sql.errors import ShapeError, SpecError, TraError
-from tra_sql.graph import Einsum, Fill, Node, Place, Source, topological
+from tra_sql.graph import Einsum, Node, topological
 
 #: Graphs of more ops than this search fewer tile counts per index (still not only powers of two).
 LARGE = 200
@@ -162,7 +162,7 @@ class Plan:
         for v, op in enumerate(model.problem.ops):
             q = model.states[v].Q[self.assign[v]]
             for m, x in enumerate(op.inputs):
-                if isinstance(x.node, Fill):
+                if role(x.node) == CONSTANT:
                     continue
                 want = tuple(ceil(op.sizes[i] / q[i]) for i in x.pos)
                 have = tuple(ceil(n / p) for n, p in zip(x.node.shape, _grid(parts, x.node)))
@@ -186,11 +186,12 @@ class Plan:
         lines = ["digraph plan {", "  rankdir=BT; node [shape=box, fontsize=10];"]
         for node in topological(root):
             label = node.label.replace('"', "'")
-            if isinstance(node, Einsum):
+            op = role(node) == OP
+            if op:
                 label += "\\n" + " ".join(f"{c}:{node.sizes[c]}/{node.tiles[c]}" for c in node.spec.indices)
             label += f"\\nshape {node.shape} tile {node.tile}"
-            style = (', style=filled, fillcolor="#e8f0ff"' if isinstance(node, Einsum)
-                     else ', color=red, fontcolor=red' if isinstance(node, Place) else "")
+            style = (', style=filled, fillcolor="#e8f0ff"' if op
+                     else ', color=red, fontcolor=red' if node.inputs else "")
             lines.append(f'  {names[id(node)]} [label="{label}"{style}];')
         for node in topological(root):
             for child in node.inputs:
@@ -241,33 +242,33 @@ def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
     def visit(node: Node) -> Node:
         if id(node) in memo:
             return memo[id(node)]
-        if isinstance(node, Einsum) and id(node) in parts and not as_written(node):
-            q = dict(zip(node.spec.indices, parts[id(node)]))
-            tiles = {c: ceil(n / q[c]) for c, n in node.sizes.items()}
-            operands = []
-            for sub, operand in zip(node.spec.inputs, node.operands):
-                src = producer(operand)
-                want = tuple(tiles[c] for c in sub)
-                if isinstance(src, Fill):
-                    operands.append(Fill(src.shape, src.dtype, tuple(min(t, n) for t, n in zip(want, src.shape)),
-                                         src.value))
-                else:
-                    operands.append(graph.retile(visit(src), want))
-            new: Node = replace(node, tile=tuple(tiles[c] for c in node.spec.output), operands=tuple(operands))
-        elif is_retile(node):
+        kind = role(node)
+        if kind == OP and id(node) in parts and not as_written(node):
+            new = _planned(node, parts[id(node)], visit)
+        elif kind == RETILE:
             new = graph.retile(visit(producer(node)), node.tile)
-        elif isinstance(node, Place):
-            sources = tuple(graph.retile(visit(producer(s)), s.tile) for s in node.sources)
-            new = graph.with_inputs(node, sources)
-        elif isinstance(node, Einsum):
-            new = graph.with_inputs(node, [graph.retile(visit(producer(o)), o.tile) for o in node.operands])
         else:
-            assert isinstance(node, (Source, Fill)), type(node)
-            new = node
+            new = graph.with_inputs(node, [graph.retile(visit(producer(s)), s.tile) for s in node.inputs])
         memo[id(node)] = new
         return new
 
     return visit(root)
+
+
+def _planned(node: Einsum, parts: tuple[int, ...], visit) -> Node:
+    """``node`` in the tiling ``parts`` (tiles per index), its operands re-tiled to it (a
+    constant generated in it)."""
+    q = dict(zip(node.spec.indices, parts))
+    tiles = {c: ceil(n / q[c]) for c, n in node.sizes.items()}
+    operands = []
+    for sub, operand in zip(node.spec.inputs, node.operands):
+        src = producer(operand)
+        want = tuple(tiles[c] for c in sub)
+        if role(src) == CONSTANT:
+            operands.append(replace(src, tile=tuple(min(t, n) for t, n in zip(want, src.shape))))
+        else:
+            operands.append(graph.retile(visit(src), want))
+    return replace(node, tile=tuple(tiles[c] for c in node.spec.output), operands=tuple(operands))
 
 
 def make_plan(root: Node, workers: int, memory: float, consts: Constants, *, yardsticks: bool = True,

@@ -1,10 +1,12 @@
 """The planning problem extracted from a DAG: one variable per einsum op (its parts per
 index), edges between ops, and the fixed tilings around them.
 
-Re-tiling ``Place`` nodes in front of an einsum are looked through: they are artifacts of
-hand-picked tilings, and the plan decides the tiling each op reads. Sources, constants and
-the other structural ops (slices, concatenations, reshapes) keep their tiling; a constant is
-generated directly in whatever tiling its consumer reads.
+Each node kind plays a ``role`` (the ``ROLE`` rules): an einsum is an ``OP``, whose tiling
+the plan chooses; re-tiling ``Place`` nodes in front of an einsum are looked through
+(``RETILE``): they are artifacts of hand-picked tilings, and the plan decides the tiling each
+op reads. A constant (``CONSTANT``) is generated directly in whatever tiling its consumer
+reads. Sources, the other structural ops (slices, concatenations, reshapes) and any kind
+without a rule keep their tiling (``FIXED``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from math import ceil, prod
 
 import numpy as np
 
+from tra_sql.aggregates import AGGREGATES
 from tra_sql.graph import Einsum, Fill, Node, Place, topological
+from tra_sql.kinds import Rules
 
 #: Parts tried per index (normalized per size, see ``normalize``), besides those the presets
 #: and the as-written tiling need. Not only powers of two.
@@ -28,9 +32,35 @@ def normalize(n: int, parts: int) -> int:
     return ceil(n / ceil(n / parts))
 
 
+OP, CONSTANT, RETILE, FIXED = "op", "constant", "retile", "fixed"
+ROLE: Rules = Rules("planner role")
+"""``rule(node)``: the node's role in a plan (see the module's docstring)."""
+
+
+@ROLE.register(Einsum)
+def _einsum_role(node: Einsum) -> str:
+    return OP
+
+
+@ROLE.register(Fill)
+def _fill_role(node: Fill) -> str:
+    return CONSTANT
+
+
+@ROLE.register(Place)
+def _place_role(node: Place) -> str:
+    same = len(node.sources) == 1 and not node.flat and node.shape == node.sources[0].shape
+    return RETILE if same and not any(node.offsets[0]) else FIXED
+
+
+def role(node: Node) -> str:
+    """``node``'s role in a plan: ``OP``, ``CONSTANT``, ``RETILE`` or ``FIXED``."""
+    rule = ROLE.get(node)
+    return FIXED if rule is None else rule(node)
+
+
 def is_retile(node: Node) -> bool:
-    return (isinstance(node, Place) and len(node.sources) == 1 and not node.flat
-            and node.shape == node.sources[0].shape and not any(node.offsets[0]))
+    return role(node) == RETILE
 
 
 def producer(node: Node) -> Node:
@@ -80,7 +110,7 @@ class Op:
     @property
     def blas(self) -> bool:
         """Whether the tile kernel is a BLAS contraction (see ``udfs.contract``)."""
-        if self.node.join is not None or self.node.agg != "sum" or len(self.inputs) != 2:
+        if self.node.join is not None or not AGGREGATES[self.node.agg].contracts or len(self.inputs) != 2:
             return False
         a, b = self.node.spec.inputs
         out = self.node.spec.output
@@ -140,7 +170,7 @@ class _Axes:
 def extract(root: Node) -> Problem:
     """The planning problem of the DAG under ``root``."""
     order = topological(root)
-    einsums = [n for n in order if isinstance(n, Einsum)]
+    einsums = [n for n in order if role(n) == OP]
     index = {id(n): i for i, n in enumerate(einsums)}
     axes = _Axes()
     for node in einsums:
@@ -165,7 +195,7 @@ def extract(root: Node) -> Problem:
             if id(src) in index:
                 item.op = index[id(src)]
                 edges.append(Edge(item.op, i, m, nbytes))
-            elif not isinstance(src, Fill):
+            elif role(src) != CONSTANT:
                 item.fixed = parts_of(src)
             inputs.append(item)
         op_axes = []
@@ -179,7 +209,7 @@ def extract(root: Node) -> Problem:
                       written=tuple(normalize(sizes[c], ceil(sizes[c] / tiles[c])) for c in indices)))
     # non-einsum consumers read an op's output in the tiling the DAG gives them
     for node in order:
-        if isinstance(node, Einsum) or is_retile(node):
+        if role(node) in (OP, RETILE):
             continue
         for child in node.inputs:
             src = producer(child)
