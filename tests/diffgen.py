@@ -19,10 +19,14 @@ import torch
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from tra_sql.aggregates import AGGREGATES
+
 LETTERS = "abcdefgh"
 FLOATS = ("float64", "float32")
 INTS = ("int32", "int64")
-AGGS = ("sum", "max", "min", "prod")
+AGGS = tuple(AGGREGATES)
+#: PyTorch's function for each aggregation whose name differs (the others: ``torch.<agg>``)
+TORCH_AGGS = {"max": "amax", "min": "amin"}
 #: Paths compared and programs tried in this process (see conftest's summary).
 COUNTS: Counter = Counter()
 HEADER = """import numpy as np
@@ -139,8 +143,8 @@ class Expr:
         }[self.op]()
 
     def eval(self, xs: list[torch.Tensor]) -> torch.Tensor:
-        """The value over broadcast operands ``xs`` (ties of greatest/least go to the later
-        argument, as tra_sql's derivative rules say)."""
+        """The value over broadcast operands ``xs`` in DuckDB's order (NaN above every number;
+        ties of greatest/least go to the later argument, as tra_sql's derivative rules say)."""
         k = [kid.eval(xs) for kid in self.kids]
         if self.op == "x":
             return xs[self.arg]
@@ -149,10 +153,11 @@ class Expr:
         return {
             "+": lambda: k[0] + k[1], "-": lambda: k[0] - k[1], "*": lambda: k[0] * k[1],
             "/": lambda: k[0] / (1 + torch.abs(k[1])), "half": lambda: k[0] / 2,
-            "greatest": lambda: where(k[0] > k[1], k[0], k[1]), "least": lambda: where(k[0] < k[1], k[0], k[1]),
+            "greatest": lambda: where(above(k[0], k[1]), k[0], k[1]),
+            "least": lambda: where(above(k[1], k[0]), k[0], k[1]),
             "exp": lambda: torch.exp(where(k[0] < 2, k[0], torch.tensor(2.0, dtype=torch.float64))),
             "abs": lambda: torch.abs(k[0]),
-            "case": lambda: where(k[0] > k[1], k[2], k[3]),
+            "case": lambda: where(above(k[0], k[1]), k[2], k[3]),
         }[self.op]()
 
     def uses(self) -> set[int]:
@@ -171,6 +176,11 @@ def exprs(draw, n: int, depth: int = 2) -> Expr:
         return Expr("x", arg=draw(st.integers(0, n - 1)))
     op = draw(st.sampled_from(sorted(ARITY)))
     return Expr(op, tuple(draw(exprs(n, depth - 1)) for _ in range(ARITY[op])))
+
+
+def above(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a > b`` in DuckDB's order, where NaN is above every number (and equal to itself)."""
+    return (a > b) | (torch.isnan(a) & ~torch.isnan(b))
 
 
 # -- the reference of an extended einsum --------------------------------------------------------
@@ -194,13 +204,14 @@ def einsum_ref(inputs: list[str], output: str, xs: list[torch.Tensor], join: Exp
     value = value.expand([sizes[c] for c in letters]) if letters else value
     out_shape = [sizes[c] for c in output]
     flat = value.reshape(out_shape + [-1])
-    return {"sum": lambda: flat.sum(-1), "max": lambda: flat.amax(-1), "min": lambda: flat.amin(-1),
-            "prod": lambda: flat.prod(-1)}[agg]()
+    if AGGREGATES[agg].floating and not flat.is_floating_point():
+        flat = flat.double()
+    return getattr(torch, TORCH_AGGS.get(agg, agg))(flat, -1)
 
 
-def result_dtype(dtypes: list[str], join: Expr | None) -> str:
+def result_dtype(dtypes: list[str], join: Expr | None, agg: str) -> str:
     dtype = np.result_type(*dtypes)
-    return "float64" if join is not None and dtype.kind != "f" else dtype.name
+    return "float64" if (join is not None or AGGREGATES[agg].floating) and dtype.kind != "f" else dtype.name
 
 
 # -- drawing programs ----------------------------------------------------------------------------
@@ -332,7 +343,7 @@ class Builder:
             inputs, output = spec.split("->")[0].split(","), spec.split("->")[1]
         sizes = {c: max(n for sub, op in zip(inputs, operands) for ch, n in zip(sub, op.shape) if ch == c)
                  for c in output}
-        dtype = result_dtype([op.dtype for op in operands], expr)
+        dtype = result_dtype([op.dtype for op in operands], expr, agg)
         layout = "csr" if any(op.layout == "csr" and sub == output for sub, op in zip(inputs, operands)) else "dense"
         name = self.fresh("E")
         args = ", ".join(op.name for op in operands)
