@@ -1,11 +1,12 @@
 """The aggregations of an extended einsum (``agg=``), one definition each.
 
 Everything a layer needs to know about an aggregation is in its ``Aggregate``: the graph
-checks names against ``AGGREGATES`` and asks ``contracts`` whether opt_einsum's pairwise path
-applies; the kernels start from ``identity``, fold joined values with ``loop_update``
-(generated loops) and fold tiles with ``ufunc`` (NumPy, also on Spark); staged plans combine
-partial results with the join ``combine``; the absent-tile rule asks ``absorbs_zeros``;
-autodiff runs ``gradient``. Adding an aggregation is adding an entry here (and its test).
+checks names against ``AGGREGATES``, asks ``contracts`` whether opt_einsum's pairwise path
+applies and ``floating`` whether the result is floating point; the kernels start from
+``identity``, fold joined values with ``loop_update`` (generated loops) and fold tiles with
+``ufunc`` (NumPy, also on Spark); staged plans combine partial results with the join
+``combine``; the absent-tile rule asks ``absorbs_zeros``; autodiff runs ``gradient``. Adding
+an aggregation is adding an entry here (and its test).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Aggregate:
     expression over two partial results ``x0, x1`` (tiles of the same keys). ``gradient``:
     the (operand, gradient) pairs of an einsum that aggregates with it (see ``Backward``).
     ``contracts``: aggregating a product is a contraction (a sum of products), so a product of
-    several operands may be aggregated pairwise and a BLAS kernel computes two."""
+    several operands may be aggregated pairwise and a BLAS kernel computes two. ``floating``:
+    the result is floating point (float64 over integer operands), as a join's is."""
 
     name: str
     ufunc: np.ufunc
@@ -75,6 +77,7 @@ class Aggregate:
     compensated: bool = False
     absorbs_zeros: bool = False  # an absent (zero) tile under a product changes nothing
     contracts: bool = False
+    floating: bool = False
 
     def identity(self, dtype: np.dtype):
         """The value this aggregation starts from for elements of ``dtype``."""

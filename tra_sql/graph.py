@@ -209,9 +209,11 @@ def reshape(node: Node, shape: tuple[int, ...]) -> Node:
     return Place(tuple(shape), node.dtype, tile, (source,), ((0,),), flat=True)
 
 
-def result_dtype(operands: list[Node], join: str | None) -> np.dtype:
+def result_dtype(operands: list[Node], join: str | None, agg: str = "sum") -> np.dtype:
+    """The operands' common dtype; float64 for integer operands under a join or a floating
+    aggregation."""
     dtype = np.result_type(*(op.dtype for op in operands)) if operands else np.dtype("float64")
-    if join is not None and not np.issubdtype(dtype, np.floating):
+    if (join is not None or AGGREGATES[agg].floating) and not np.issubdtype(dtype, np.floating):
         return np.dtype("float64")
     return dtype
 
@@ -239,7 +241,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
         for c, t in zip(sub, op.tile):
             tiles.setdefault(c, t)
     aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]
-    dtype = result_dtype(operands, join)
+    dtype = result_dtype(operands, join, agg)
     if len(aligned) <= 2 or join is not None or not AGGREGATES[agg].contracts:
         return _step(parsed, aligned, sizes, tiles, dtype, join, agg)
     _, info = opt_einsum.contract_path(
