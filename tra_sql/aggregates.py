@@ -150,6 +150,13 @@ def _prod_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
     return b.operands(part)
 
 
+def _logsumexp_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
+    """``dOut · exp(join - out) · ∂join/∂x_i``: each joined value's softmax weight in its group."""
+    n = len(b.node.operands)
+    weight = exp.Exp(this=exp.Sub(this=exp.Paren(this=shift(b.join, n, 2)), expression=exp.column("x1")))
+    return b.operands(lambda i, D: b.reduce(i, [b.g, b.node], mul(mul(exp.column("x0"), weight), shift(D, n, 2))))
+
+
 AGGREGATES: dict[str, Aggregate] = {agg.name: agg for agg in (
     # a compensated sum (Neumaier's, branch-free): ``err`` keeps what each addition rounded
     # off, so a long sum keeps ~1e-16 relative error whatever the tiling (exact on integers)
@@ -161,4 +168,10 @@ AGGREGATES: dict[str, Aggregate] = {agg.name: agg for agg in (
     Aggregate("min", np.minimum, "acc = acc if acc != acc or acc <= v else v", "least(x0, x1)",
               _extremum_gradient),
     Aggregate("prod", np.multiply, "acc = acc * v", "x0 * x1", _prod_gradient),
+    # log(Σ exp(v)) without overflow; two partial results combine the same way (equal ones,
+    # -inf included, give x + ln 2)
+    Aggregate("logsumexp", np.logaddexp, "acc = np.logaddexp(acc, v)",
+              "CASE WHEN x0 = x1 THEN x0 + ln(2) "
+              "ELSE greatest(x0, x1) + ln(1 + exp(least(x0, x1) - greatest(x0, x1))) END",
+              _logsumexp_gradient, floating=True),
 )}
