@@ -4,6 +4,7 @@ zeros under every join and aggregation, on every path, as NumPy computes on the 
 import numpy as np
 import pytest
 
+import tra_sql
 from tra_sql.absent import absorbs
 
 CASES = [  # spec, join, agg, NumPy on the dense arrays (x: 6x5 with absent tiles, y: 5)
@@ -69,3 +70,16 @@ def test_which_joins_absorb_an_absent_operand():
     assert absorbs(None, "sum", 1) and absorbs("x0 * exp(x1)", "sum", 0) and absorbs("-(x1 * 2) * x0", "sum", 1)
     assert not absorbs("x0 * exp(x1)", "sum", 1) and not absorbs("x0 + x1", "sum", 0)
     assert not absorbs(None, "max", 0) and not absorbs("x0", "prod", 0)
+
+
+def test_a_sum_over_no_tiles_is_an_absent_tile_and_its_gradient_zeros():
+    """A 0-d aggregation that joins no rows has no tile (grouping by keys gives no group
+    either), not a NULL one: fused with an epilogue (a gradient's seed) it read the NULL
+    (found by the long differential run)."""
+    db = tra_sql.connect()
+    A = db.from_numpy("A", np.ones((2, 3, 4)), tile=(1, 2, 2))
+    db.engine.execute('DELETE FROM "A"')
+    total = db.einsum("->", db.einsum("abc->", A))
+    assert total.arrow(plan=False).num_rows == 0 and total.numpy() == 0
+    (grad,) = db.grad(total, [A])
+    np.testing.assert_array_equal(grad.numpy(plan=False), np.zeros((2, 3, 4)))

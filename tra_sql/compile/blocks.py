@@ -112,5 +112,8 @@ def grid_table(g: int, size: int) -> exp.Table:
 
 
 def grouped(select: exp.Select, keys: list[exp.Expression]) -> exp.Select:
-    """``select`` grouped by ``keys`` (none: one group)."""
-    return select.group_by(*[k.copy() for k in keys]) if keys else select
+    """``select`` grouped by ``keys``; with none, one group if any row was joined (as grouping
+    by keys gives no group without rows: the result's tile is then absent, not NULL)."""
+    if keys:
+        return select.group_by(*[k.copy() for k in keys])
+    return select.having(exp.GT(this=exp.Count(this=exp.Star()), expression=exp.Literal.number(0)))
