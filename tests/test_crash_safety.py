@@ -291,7 +291,9 @@ def test_killed_workers_leave_every_tensor_whole_or_absent(tmp_path):
 @pytest.mark.fuzz
 @pytest.mark.skipif(PROFILE != "long", reason="the long profile only (HYPOTHESIS_PROFILE=long)")
 def test_many_kills(tmp_path):
-    assert len(crash_loop(tmp_path, kills=400, seed=int(time.time()))) == 400
+    seed = int(time.time())
+    print(f"crash_loop seed={seed} (rerun: crash_loop(tmp_path, kills=400, seed={seed}))")  # shown if it fails
+    assert len(crash_loop(tmp_path, kills=400, seed=seed)) == 400
 
 
 # -- a kill while DuckDB creates the file ---------------------------------------------------------
