@@ -368,6 +368,15 @@ class Builder:
         name = self.fresh("R")
         return self.add(Var(name, x.shape, x.dtype), f"{name} = {x.name}.retile({tile!r})", lambda env: env[x.name])
 
+    def cast(self) -> Var:
+        """``x.astype(dtype)``: to a float, or int32 to int64 (truncating rounding noise, or
+        wrapping a large product, would differ from the reference by design)."""
+        x = self.operand()
+        targets = [d for d in self.dtypes if d != x.dtype and (d in FLOATS or (d == "int64" and not x.floating))]
+        dtype = self.draw(st.sampled_from(targets or [x.dtype]))
+        name = self.fresh("T")
+        return self.add(Var(name, x.shape, dtype), f"{name} = {x.name}.astype({dtype!r})", lambda env: env[x.name])
+
     def slice(self) -> Var:
         x = self.operand()
         assume(x.shape)
@@ -429,7 +438,8 @@ class Builder:
                         lambda env: env[x.name].reshape(shape))
 
     def op(self, layers: bool = False) -> Var:
-        kinds = ["einsum"] * 4 + ["add", "retile", "slice", "concat", "transpose", "reshape"] + ["layer"] * 2 * layers
+        kinds = (["einsum"] * 4 + ["add", "retile", "cast", "slice", "concat", "transpose", "reshape"]
+                 + ["layer"] * 2 * layers)
         kind = self.draw(st.sampled_from(kinds))
         return getattr(self, {"add": "keyed_sum"}.get(kind, kind))()
 

@@ -11,6 +11,7 @@ from tra_sql import budget, graph, structure
 from tra_sql.compile.program import Program
 from tra_sql.decompose import choose
 from tra_sql.graph import Node, Source, topological
+from tra_sql.ops.cast import cast
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -76,6 +77,11 @@ class Tensor:
     def retile(self, tile) -> Tensor:
         """The same tensor cut into tiles of shape ``tile`` (done in SQL)."""
         return self.session.retile(self, tile)
+
+    def astype(self, dtype) -> Tensor:
+        """The same tensor converted to ``dtype`` (float32, float64, int32 or int64), tile by
+        tile (NumPy's ``astype``; a float that has no value in an integer dtype raises)."""
+        return Tensor(self.session, cast(self.node, dtype, self.name or "tensor"))
 
     def __getitem__(self, index) -> Tensor:
         """Basic indexing with integers and step-1 slices (a TRA filter + re-key in SQL)."""

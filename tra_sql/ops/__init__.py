@@ -1,0 +1,1 @@
+"""Node kinds defined outside the core IR, each with its rules (see docs/architecture.md)."""
