@@ -8,6 +8,7 @@ errors surface when the program is written, not when it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from math import ceil, prod
 from typing import ClassVar
 
@@ -135,9 +136,10 @@ class Einsum(Node):
         extra = (f" join={self.join!r}" if self.join else "") + (f" agg={self.agg}" if self.agg != "sum" else "")
         return f"einsum {self.spec}{extra}"
 
-    @property
+    @cached_property
     def layout(self) -> str:
-        """``csr`` when the output is subscripted like a CSR operand: the result has its entries."""
+        """``csr`` when the output is subscripted like a CSR operand: the result has its entries
+        (kept: recomputing it walked the whole DAG below, once per use)."""
         sparse = any(op.layout == "csr" and sub == self.spec.output for sub, op in zip(self.spec.inputs, self.operands))
         return "csr" if sparse else "dense"
 
