@@ -290,3 +290,36 @@ def test_gcn_on_cora_reaches_80_percent():
         pytest.skip("Cora is not in ../shared/data")
     result = gcn.run(progress=False, evaluate_every=5)
     assert result["test_accuracy"] >= 0.80
+
+
+def test_resuming_a_run_with_another_optimizer_is_a_spec_error(db, rng):
+    loss, params, _ = _problem(db, rng)
+    db.train(loss, params, SGD(lr=0.1), 1, run="swap", progress=False)
+    with pytest.raises(tra_sql.errors.SpecError, match="run 'swap' was started with"):
+        db.train(loss, params, Adam(lr=0.1), 2, run="swap", progress=False)
+
+
+def test_a_stored_parameter_of_another_shape_is_a_shape_error(db):
+    db.parameter("P", (5, 5))
+    assert db.parameter("P", (5, 5)).shape == (5, 5) and db.parameter("P").shape == (5, 5)
+    with pytest.raises(tra_sql.errors.ShapeError, match="'P' is stored with shape"):
+        db.parameter("P", (4, 5))
+    with pytest.raises(tra_sql.errors.ShapeError, match="'P' is stored with shape"):
+        db.parameter("P", init=np.zeros(3))
+
+
+def test_accuracy_is_hits_over_count_as_numpy_rounds_it(db):
+    """Hits are counted, then divided once: summing 1/count per row over 64-row tiles gave
+    1.0000000000000004 for a perfect score."""
+    n = 1000
+    rng = np.random.default_rng(3)
+    logits, labels = rng.standard_normal((n, 4)), rng.integers(0, 4, n)
+    logits[np.arange(n), labels] += 10  # every row right: exactly 1
+    targets = np.eye(4)[labels]
+    tiled = {"tile": (64, 4), "replace": True}
+    acc = train.accuracy(db, db.from_numpy("lg", logits, **tiled), db.from_numpy("tg", targets, **tiled), n)
+    assert acc.numpy() == 1.0
+    logits[:7] = -logits[:7]
+    hits = (logits.argmax(1) == labels).sum()
+    acc = train.accuracy(db, db.from_numpy("lg", logits, **tiled), db.from_numpy("tg", targets, **tiled), n)
+    assert acc.numpy() == hits / n

@@ -57,9 +57,16 @@ def initial_value(shape: tuple[int, ...], init, rng: np.random.Generator, scale:
 def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed: int = 0, dtype="float64",
               tile=None, scale: float | None = None) -> Tensor:
     """The parameter tensor ``name``: the stored one if it exists (a resumed run), else a new
-    one drawn by ``init`` from a generator seeded with (``seed``, the name)."""
+    one drawn by ``init`` from a generator seeded with (``seed``, the name); a stored one of
+    another shape than ``shape`` (or ``init``'s, an array's) raises ``ShapeError``."""
+    if shape is None and not isinstance(init, str) and not callable(init):
+        shape = np.shape(init)
     if name.lower() in (t.lower() for t in db.tensors()):
-        return db.tensor(name)
+        stored = db.tensor(name)
+        if shape is not None and tuple(int(n) for n in shape) != stored.shape:
+            raise ShapeError(f"parameter '{name}' is stored with shape {stored.shape}, not {tuple(shape)}: "
+                             f"drop it or use another name")
+        return stored
     if shape is None:
         shape = np.shape(init)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

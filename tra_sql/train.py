@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from tra_sql import catalog, graph, relations
 from tra_sql.compile.blocks import grid_table
-from tra_sql.errors import ShapeError, SpecError, TraError
+from tra_sql.errors import ShapeError, SpecError
 from tra_sql.graph import Node, Source
 from tra_sql.optim import Optimizer
 from tra_sql.train_step import FusedOutOfMemory, Step, compile_step, run_step, scalar_value
@@ -61,7 +61,8 @@ def accuracy(db: Session, logits: Tensor, targets: Tensor, count: int) -> Tensor
     """The fraction of ``count`` one-hot rows of ``targets`` whose class has the row's largest
     logit, as a scalar tensor (argmax in SQL: a row max, then a comparison in the join)."""
     top = db.einsum("nc->n", logits, agg="max")
-    return db.einsum("nc,nc,n->", targets, logits, top, join=f"CASE WHEN x1 = x2 THEN x0 / {float(count)!r} ELSE 0 END")
+    hits = db.einsum("nc,nc,n->", targets, logits, top, join="CASE WHEN x1 = x2 THEN x0 ELSE 0 END")
+    return db.einsum("->", hits, join=f"x0 / {float(count)!r}")  # one division: k / count as NumPy rounds it
 
 
 # -- dropout ----------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ def train(db: Session, loss, params: Sequence, optimizer: Optimizer, epochs: int
 def check_run(run: str, stored: tuple[str, str], given: tuple[str, str]) -> None:
     """A run continues only with the parameters and optimizer configuration it started with."""
     if stored != given:
-        raise TraError(f"run '{run}' was started with parameters {stored[0]} and {stored[1]}; "
+        raise SpecError(f"run '{run}' was started with parameters {stored[0]} and {stored[1]}; "
                        f"this call has {given[0]} and {given[1]}: use another run name")
 
 
