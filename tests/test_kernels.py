@@ -133,3 +133,20 @@ def test_loop_max_and_min_propagate_nan_as_numpy_does(agg, reduce):
     out = np.empty(3)
     TileEinsum(("ij",), "i", "x0", agg).compute(out, [x])
     np.testing.assert_array_equal(out, reduce(x, axis=1))
+
+
+def test_blas_products_give_ieee_values_without_warnings():
+    """inf * 0 and overflow in a BLAS product give NaN and inf as NumPy computes them, and no
+    NumPy RuntimeWarning escapes from the kernel (which, as an error, failed the UDF)."""
+    import warnings
+
+    import tra_sql
+
+    db = tra_sql.connect()
+    x, y = np.array([[np.inf, 1.0], [1e200, 3.0]]), np.array([[0.0, 1.0], [1e200, 0.0]])
+    with np.errstate(all="ignore"):
+        expected = x @ y
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = db.einsum("ij,jk->ik", db.from_numpy("x", x), db.from_numpy("y", y)).numpy()
+    np.testing.assert_array_equal(got, expected)

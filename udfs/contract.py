@@ -98,7 +98,8 @@ class TileEinsum:
             self._loop(out, tiles)
 
     def _product(self, out: np.ndarray, tiles: list[np.ndarray], assign: bool) -> None:
-        """The BLAS contraction of two tiles written into (``assign``) or added to ``out``."""
+        """The BLAS contraction of two tiles written into (``assign``) or added to ``out``; IEEE
+        results (inf, NaN) without NumPy's warnings, as the loop kernels give them."""
         a, b = tiles
         batch, left, contracted, right = self._matmul_layout
         sa, sb = self.inputs
@@ -111,13 +112,14 @@ class TileEinsum:
         )
         natural = batch + left + right
         if natural == list(self.output) and assign and out.flags.c_contiguous:
-            with all_cores():
+            with all_cores(), np.errstate(all="ignore"):
                 np.matmul(a3, b3, out=out.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
             return
-        with all_cores():
+        with all_cores(), np.errstate(all="ignore"):
             product = np.matmul(a3, b3)
         product = product.reshape([size[c] for c in natural]).transpose([natural.index(c) for c in self.output])
         if assign:
             out[...] = product
         else:
-            out += product
+            with np.errstate(all="ignore"):
+                out += product
