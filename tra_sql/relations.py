@@ -39,13 +39,12 @@ if TYPE_CHECKING:
     from tra_sql.session import Session
     from tra_sql.tensor import Tensor
 
-PACK = {"float64": "tra_pack", "float32": "tra_pack_f32"}
-UDFS = (protocol.PACK, protocol.PACK_F32, protocol.PACK_TILE, protocol.PACK_CSR)
+PACK = {"float64": protocol.PACK, "float32": protocol.PACK_F32}
 
 
 def ensure_udfs(db: Session) -> None:
     """Register the kernels relation views call (needed once per engine)."""
-    db.engine.ensure_kernels(UDFS)
+    db.engine.ensure_kernels(protocol.PACKING)
 
 
 def _column(name: str) -> exp.Expression:
@@ -76,7 +75,7 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
     if layout == "dense" and all(t == 1 for t in tile):
         if sum_duplicates:
             val = exp.Sum(this=val)
-        packed = exp.Anonymous(this=PACK[dtype.name], expressions=[val])
+        packed = exp.Anonymous(this=PACK[dtype.name].name, expressions=[val])
         select = exp.select(*[exp.alias_(exp.cast(c, "INTEGER"), f"k{d}") for d, c in enumerate(cols)],
                             exp.alias_(packed, "tile")).from_(source).where(where)
         return select.group_by(*[c.copy() for c in cols]) if sum_duplicates else select
@@ -84,7 +83,7 @@ def view_select(table: str, keys: tuple[str, ...], value: str | None, shape: tup
     meta = json.dumps({"name": "relation", "dtype": dtype.name, "shape": list(shape), "tile": list(tile)})
     entries = [exp.ArrayAgg(this=c.copy()) for c in cols] if layout == "csr" else \
         [exp.ArrayAgg(this=exp.Array(expressions=[c.copy() for c in cols]))]
-    packed = exp.Anonymous(this="tra_pack_csr" if layout == "csr" else "tra_pack_tile", expressions=[
+    packed = exp.Anonymous(this=(protocol.PACK_CSR if layout == "csr" else protocol.PACK_TILE).name, expressions=[
         exp.Literal.string(meta), exp.Array(expressions=[b.copy() for b in blocks]), *entries, exp.ArrayAgg(this=val)])
     select = exp.select(*[exp.alias_(exp.cast(b, "INTEGER"), f"k{d}") for d, b in enumerate(blocks)],
                         exp.alias_(packed, "tile")).from_(source).where(where)

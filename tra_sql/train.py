@@ -102,13 +102,13 @@ class Dropout:
                 grid = grid_table(d, ceil(n / t))
                 query = query.from_(grid) if d == 0 else query.join(grid, join_type="CROSS")
         if all(t == 1 for t in self.tile):  # hash(...) is unsigned on DuckDB, signed on Spark
-            pack = "tra_pack" if self.dtype == np.float64 else "tra_pack_f32"
+            pack = relations.PACK[self.dtype.name].name
             bits = f"hash({', '.join(columns)}, {seed}) % 16777216"
             draw = f"{pack}((({bits}) + 16777216) % 16777216 / 16777216.0)"
         else:
             meta = json.dumps({"name": self.name, "dtype": self.dtype.name, "shape": list(self.shape),
                                "tile": list(self.tile), "seed": seed, "dist": "uniform"})
-            draw = f"tra_random_tile('{meta}', [{', '.join(columns)}])"
+            draw = f"{protocol.RANDOM_TILE.name}('{meta}', [{', '.join(columns)}])"
         relations.ensure_udfs(self.db)
         self.db.engine.ensure_kernels([protocol.RANDOM_TILE])
         query = query.select(exp.alias_(sqlglot.parse_one(draw, read="duckdb"), "tile"))

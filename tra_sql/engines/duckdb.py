@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from tra_sql.graph import Node
 
 UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+): (.*)", re.S)
-RELATION_KERNELS = (protocol.PACK, protocol.PACK_F32, protocol.PACK_TILE, protocol.PACK_CSR)  # relation views call them
 CALIBRATION = "tra_calibration"  # the planner's constants measured on this database
 
 
@@ -59,7 +58,7 @@ class DuckDBEngine(Engine):
         self.con = con
         if not read_only:
             duckdb_catalog.ensure_catalog(con)
-        self.ensure_kernels(RELATION_KERNELS)
+        self.ensure_kernels(protocol.PACKING)  # relation views call them
 
     @classmethod
     def open(cls, database: str = ":memory:", *, threads: int | None = None, memory_limit: str | None = None,

@@ -27,6 +27,7 @@ from tra_sql.frontend.syntax import (
 )
 from tra_sql.graph import Source
 from tra_sql.tensor import Tensor
+from tra_sql.udfs import protocol
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
@@ -106,7 +107,7 @@ class TensorFunctions:
         meta = json_literal(name="tra_random", dtype=info.dtype.name, shape=info.shape, tile=info.tile, seed=seed,
                             dist=dist)
         select = exp.select(*[exp.alias_(exp.cast(k.copy(), "INTEGER"), f"k{d}") for d, k in enumerate(keys)],
-                            exp.alias_(sql_call("tra_random_tile", meta, array(keys)), "tile"))
+                            exp.alias_(sql_call(protocol.RANDOM_TILE.name, meta, array(keys)), "tile"))
         for d, grid in enumerate(info.grid):
             table = aliased(exp.Table(this=sql_call("range", exp.Literal.number(grid))), f"r{d}", ["k"])
             select = select.from_(table) if d == 0 else select.join(table, join_type="cross")
@@ -136,7 +137,7 @@ class TensorFunctions:
             *[exp.alias_(exp.cast(exp.column(c, "e"), "BIGINT"), c) for c in columns[:-1]],
             exp.alias_(exp.cast(exp.column("value", "e"), "DOUBLE"), "value"),
         ).from_(aliased(relation, "e", columns)).where(exp.column("value", "e").is_(exp.null()).not_())
-        pack = sql_call("tra_pack_tile", json_literal(name="tra_from_elements", dtype=info.dtype.name,
+        pack = sql_call(protocol.PACK_TILE.name, json_literal(name="tra_from_elements", dtype=info.dtype.name,
                                                       shape=info.shape, tile=info.tile),
                         array([k.copy() for k in keys]),
                         exp.ArrayAgg(this=array([exp.column(c) for c in columns[:-1]])),
@@ -156,7 +157,7 @@ class TensorFunctions:
         rank, dtype = tensor.ndim, tensor.dtype
         keys = [exp.column(f"k{d}") for d in range(rank)]
         extents = [exp.column(f"_e{d}") for d in range(rank)]
-        decode = "tra_tile_ints" if dtype.kind == "i" else "tra_tile_values"
+        decode = (protocol.TILE_INTS if dtype.kind == "i" else protocol.TILE_VALUES).name
         tiles = exp.select(
             *keys,
             *[exp.alias_(sql_call("least", exp.Literal.number(t), exp.Sub(
