@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from math import prod
-
 import numpy as np
 import pyarrow as pa
 from sqlglot import exp
@@ -105,10 +103,6 @@ class Session:
     def completeness(self) -> absent.Completeness:
         """Which nodes have a tile at every key, stored relations counted now."""
         return self.engine.completeness()
-
-    def tile_count(self, table: str) -> int:
-        """Rows (tiles) of table ``table``."""
-        return self.engine.tile_count(table)
 
     # -- building programs --------------------------------------------------------------
     def _node(self, operand) -> tuple[graph.Node, str]:
@@ -284,22 +278,15 @@ class Session:
         return Tensor(self, autodiff.stop_gradient(self._node(tensor)[0]))
 
     def gradient_context(self) -> autodiff.Context:
-        """The ``autodiff.Context`` of this session: which stored relations are dense (counted
-        once each), and identity matrices stored as ``tra_eye_<n>_<dtype>``."""
-        counts: dict[str, bool] = {}
-
-        def source_dense(node: graph.Source) -> bool:
-            if node.table not in counts:
-                counts[node.table] = self.tile_count(node.table) >= prod(node.grid)
-            return counts[node.table]
-
+        """The ``autodiff.Context`` of this session: which stored relations are dense (their rows
+        counted), and identity matrices stored as ``tra_eye_<n>_<dtype>``."""
         def eye(n: int, dtype: np.dtype) -> graph.Node:
             name = f"tra_eye_{n}_{np.dtype(dtype).name}"
             if name not in self.tensors():
                 self.from_numpy(name, np.eye(n, dtype=dtype))
             return self.tensor(name).node
 
-        return autodiff.Context(source_dense, eye)
+        return autodiff.Context(self.engine.has_every_tile, eye)
 
     def relation(self, table: str, keys, value: str | None = None, shape=None, **options) -> Tensor:
         """View table ``table`` as a sparse tensor relation (a VIEW, no copy): one dimension per

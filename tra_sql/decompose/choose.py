@@ -32,7 +32,7 @@ def _sparse(engine: Engine, node: Source) -> bool:
     """Whether the stored relation keeps nonzeros only (CSR tiles) or lacks some of its tiles."""
     if node.layout != "dense":
         return True
-    return engine.tile_count(node.table) < int(np.prod(node.grid, dtype=np.int64))
+    return not engine.has_every_tile(node)
 
 
 def auto(tensor: Tensor) -> Plan | None:

@@ -127,9 +127,14 @@ class Engine(ABC):
     def tile_count(self, table: str) -> int:
         """Rows (tiles) of table ``table``."""
 
+    def has_every_tile(self, source: Node) -> bool:
+        """Whether stored relation ``source`` (a ``graph.Source``) has a row at every key of
+        its grid (counted now)."""
+        return self.tile_count(source.table) >= prod(source.grid)
+
     def completeness(self) -> absent.Completeness:
         """Which nodes have a tile at every key, stored relations counted now."""
-        return absent.Completeness(lambda source: self.tile_count(source.table) >= prod(source.grid))
+        return absent.Completeness(self.has_every_tile)
 
     # -- memory and the planner ---------------------------------------------------------
     @abstractmethod
