@@ -216,6 +216,14 @@ def test_float32_max_min_with_a_computed_join(db, rng, agg):
            dtype=np.float32, rtol=1e-5)
 
 
+@pytest.mark.parametrize("agg", ["max", "min"])
+def test_float32_max_min_of_three_factors(db, rng, agg):
+    """The float32 route materializes the join as one step: a pairwise chain hid the operands
+    from the gradient (zeros where torch gives -4.27, found by the differential harness)."""
+    arrays = [rng.uniform(-2, 2, (4, 3)), rng.uniform(-2, 2, (3, 5)), rng.uniform(-2, 2, (5,))]
+    _check(db, "ij,jk,k->i", arrays, [(2, 3), (3, 2), (5,)], agg=agg, dtype=np.float32, rtol=1e-5)
+
+
 def test_max_ties_split_evenly_like_amax(db):
     t = db.from_numpy("t", np.array([[1.0, 1.0, 0.0], [2.0, 0.0, 2.0]]), tile=(1, 2))
     loss = db.einsum("i->", db.einsum("ij->i", t, agg="max"))

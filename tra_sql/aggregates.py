@@ -46,7 +46,8 @@ class Backward(Protocol):
         with ``with_output``) into the output's indices, built once per ``node`` and ``what``."""
 
     def einsum(self, spec: str, operands: list[Node], join: str | None) -> Node:
-        """A summing einsum over ``operands`` (for rules that rewrite ``node``)."""
+        """A summing einsum over ``operands`` as one step (for rules that rewrite ``node``:
+        ``through`` differentiates it into its operands)."""
 
     def through(self, einsum: Node, gradient: Node) -> Iterable[tuple[Node, Node]]:
         """The gradients of an einsum that computes ``node``'s values elementwise, given its

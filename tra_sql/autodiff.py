@@ -250,7 +250,7 @@ class _Backward:
         return _helper(self.ctx, self.node, what, join, agg, with_output)
 
     def einsum(self, spec: str, operands: list[Node], join: str | None) -> Node:
-        return graph.einsum(spec, operands, [self.node.label] * len(operands), join)
+        return graph.einsum(spec, operands, [self.node.label] * len(operands), join, pairwise=False)
 
     def through(self, einsum: Node, gradient: Node):
         self.ctx.tight.add((id(einsum), id(gradient)))

@@ -221,13 +221,14 @@ def result_dtype(operands: list[Node], join: str | None, agg: str = "sum") -> np
 
 
 def einsum(spec: str, operands: list[Node], names: list[str], join: str | None = None,
-           agg: str = "sum") -> Node:
+           agg: str = "sum", pairwise: bool = True) -> Node:
     """The node computing ``spec`` over ``operands`` (``names`` are for error messages).
 
     Each index takes the tile size it has in the first operand that uses it (CSR operands
     first: they cannot be re-tiled); operands tiled otherwise are re-tiled. Three or more
     operands with the default join and an aggregation that ``contracts`` (``sum``) follow
-    opt_einsum's contraction path as pairwise steps.
+    opt_einsum's contraction path as pairwise steps, unless ``pairwise`` is false (one step,
+    for autodiff rules that differentiate the node they build).
     """
     if agg not in AGGREGATES:
         raise SpecError(f"agg={agg!r} is not one of {', '.join(AGGREGATES)}")
@@ -244,7 +245,7 @@ def einsum(spec: str, operands: list[Node], names: list[str], join: str | None =
             tiles.setdefault(c, t)
     aligned = [retile(op, tuple(tiles[c] for c in sub)) for sub, op in zip(parsed.inputs, operands)]
     dtype = result_dtype(operands, join, agg)
-    if len(aligned) <= 2 or join is not None or not AGGREGATES[agg].contracts:
+    if not pairwise or len(aligned) <= 2 or join is not None or not AGGREGATES[agg].contracts:
         return _step(parsed, aligned, sizes, tiles, dtype, join, agg)
     _, info = opt_einsum.contract_path(
         str(parsed), *[op.shape for op in aligned], shapes=True, optimize="auto"
