@@ -271,6 +271,16 @@ def test_join_on_integers_divides_in_floats(db):
     assert np.isinf(got[2])
 
 
+def test_a_zero_remainder_has_duckdb_s_sign():
+    """An integer % gives +0 as DuckDB's integer result does (fmod gave -0: found by the fuzzer
+    as ``x0 // log(1, x0 / (x0 % x0))``, 0 against NaN); a float remainder keeps fmod's sign."""
+    ints, floats = np.array([-4, 4]), np.array([-4.0, 4.0])
+    assert list(evaluate("1 / (x0 % x1)", ints, np.array([2, 2]))) == [np.inf, np.inf]
+    assert list(evaluate("1 / (x0 % x1)", floats, np.array([2.0, 2.0]))) == [-np.inf, np.inf]
+    for x0, x1 in ((ints, ints), (floats, floats)):
+        assert same(evaluate("1 / (x0 % x1)", x0, x1), duckdb_values("1 / (x0 % x1)", x0, x1)[0])
+
+
 @pytest.mark.parametrize("join", ["x00", "x01 + x0", "x0 + x0001"])
 def test_operand_names_are_exact(db, join):
     A = db.from_numpy("A", np.ones(2))

@@ -69,7 +69,7 @@ def binary(template: str) -> Numba:
     return lambda node, go, text: template.format(go(node.this), go(node.expression))
 
 
-def compare(template: str) -> Numba:
+def binary_once(template: str) -> Numba:
     return lambda node, go, text: once(template, go(node.this), go(node.expression))
 
 
@@ -252,16 +252,18 @@ FUNCTIONS: dict[type[exp.Expression], Function] = {
                       lambda e, d: sub(div(d(e.this), e.expression),
                                        div(mul(e.this, d(e.expression)), mul(e.expression, e.expression)))),
     exp.IntDiv: Function((), binary("np.trunc(np.divide({}, {}))"), zero),  # truncates like C
-    exp.Mod: Function((), binary("np.fmod(np.float64({}), np.float64({}))"), _d_mod),  # Numba's integer fmod floors
+    # C's fmod (Numba's integer fmod floors); ``+ 0 * a`` makes an integer zero +0 as DuckDB's
+    # integer % gives, and keeps a float result's sign (0 * a has a's; NaN only where fmod is NaN)
+    exp.Mod: Function((), binary_once("np.fmod(np.float64({0}), np.float64({1})) + 0 * {0}"), _d_mod),
     exp.And: Function((), binary("(({} != 0) and ({} != 0))"), zero),
     exp.Or: Function((), binary("(({} != 0) or ({} != 0))"), zero),
     # DuckDB's order: NaN is above every number and equal to itself ({0} != {0} only for NaN)
-    exp.EQ: Function((), compare("{0} == {1} or ({0} != {0} and {1} != {1})"), zero),
-    exp.NEQ: Function((), compare("{0} != {1} and ({0} == {0} or {1} == {1})"), zero),
-    exp.LT: Function((), compare("{0} < {1} or ({1} != {1} and {0} == {0})"), zero),
-    exp.LTE: Function((), compare("{0} <= {1} or {1} != {1}"), zero),
-    exp.GT: Function((), compare("{0} > {1} or ({0} != {0} and {1} == {1})"), zero),
-    exp.GTE: Function((), compare("{0} >= {1} or {0} != {0}"), zero),
+    exp.EQ: Function((), binary_once("{0} == {1} or ({0} != {0} and {1} != {1})"), zero),
+    exp.NEQ: Function((), binary_once("{0} != {1} and ({0} == {0} or {1} == {1})"), zero),
+    exp.LT: Function((), binary_once("{0} < {1} or ({1} != {1} and {0} == {0})"), zero),
+    exp.LTE: Function((), binary_once("{0} <= {1} or {1} != {1}"), zero),
+    exp.GT: Function((), binary_once("{0} > {1} or ({0} != {0} and {1} == {1})"), zero),
+    exp.GTE: Function((), binary_once("{0} >= {1} or {0} != {0}"), zero),
     exp.Boolean: Function((), lambda node, go, text: "True" if node.this else "False", zero),
     exp.Case: Function((), _case, _d_case),  # without ELSE: 0 (NULL in DuckDB; a tile holds no NULLs)
     exp.If: Function((), _if, _d_if),
