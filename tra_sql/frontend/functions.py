@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 from sqlglot import exp
 
 from tra_sql import absent, budget, catalog
@@ -16,6 +17,7 @@ from tra_sql.frontend.syntax import (
     aliased,
     arguments,
     array,
+    choice,
     dtype_named,
     int_literal,
     ints_literal,
@@ -114,21 +116,33 @@ class TensorFunctions:
         return self._literal(info, select, complete=True)
 
     def _tra_from_elements(self, call: exp.Anonymous) -> Tensor:
+        """``tra_from_elements(rows, shape => [..])``: a tensor from rows (i0, .., value); a
+        NULL value or a repeated index is an error unless ``nulls => 'skip'`` (leave those
+        rows out) or ``duplicates => 'sum'`` (add them up); the dtype defaults to float32 for
+        a FLOAT value column, float64 for any other."""
         args, options = arguments(call)
         if not args or len(args) > 2:
             raise SpecError("tra_from_elements() takes a table or (query) of elements, then shape => [...]")
         source, args = args[0], args[1:]
-        info = self._geometry("tra_from_elements", args, options, "float64")
-        if self.run:
-            budget.check_tile(budget.Budget.of(self.session), "tra_from_elements()", info.tile, info.dtype)
-        rank = len(info.shape)
-        columns = [f"i{d}" for d in range(rank)] + ["value"]
+        nulls = choice(options, "nulls", ("error", "skip"))
+        duplicates = choice(options, "duplicates", ("error", "sum"))
         if isinstance(source, exp.Subquery):
             relation: exp.Expression = self.rewrite(source.this)
         elif isinstance(source, exp.Column):
             relation = exp.to_table(source.sql(dialect="duckdb"), dialect="duckdb")
         else:
             raise SQLError(f"tra_from_elements(): {shown(source)} is not a table name or a (query)")
+        schema = self._schema(relation)
+        value_type = schema.field(len(schema) - 1).type if len(schema) else None
+        info = self._geometry("tra_from_elements", args, options, "float32" if value_type == pa.float32() else "float64")
+        rank = len(info.shape)
+        if len(schema) != rank + 1:
+            raise SQLError(f"tra_from_elements(): the elements of a rank-{rank} tensor are rows of "
+                           f"{rank + 1} columns (indices, then the value), got {len(schema)}: "
+                           f"{', '.join(schema.names)}")
+        if self.run:
+            budget.check_tile(budget.Budget.of(self.session), "tra_from_elements()", info.tile, info.dtype)
+        columns = [f"i{d}" for d in range(rank)] + ["value"]
         keys = [exp.column(f"k{d}") for d in range(rank)]
         inner = exp.select(
             *[exp.alias_(exp.cast(exp.IntDiv(this=exp.cast(exp.column(c, "e"), "BIGINT"),
@@ -136,14 +150,22 @@ class TensorFunctions:
               for d, (c, t) in enumerate(zip(columns, info.tile))],
             *[exp.alias_(exp.cast(exp.column(c, "e"), "BIGINT"), c) for c in columns[:-1]],
             exp.alias_(exp.cast(exp.column("value", "e"), "DOUBLE"), "value"),
-        ).from_(aliased(relation, "e", columns)).where(exp.column("value", "e").is_(exp.null()).not_())
+        ).from_(aliased(relation, "e", columns))
+        if nulls == "skip":
+            inner = inner.where(exp.column("value", "e").is_(exp.null()).not_())
         pack = sql_call(protocol.PACK_TILE.name, json_literal(name="tra_from_elements", dtype=info.dtype.name,
-                                                      shape=info.shape, tile=info.tile),
+                                                              shape=info.shape, tile=info.tile,
+                                                              unique=duplicates == "error"),
                         array([k.copy() for k in keys]),
                         exp.ArrayAgg(this=array([exp.column(c) for c in columns[:-1]])),
                         exp.ArrayAgg(this=exp.column("value")))
         select = exp.select(*keys, exp.alias_(pack, "tile")).from_(aliased(inner, "e"))
         return self._literal(info, select.group_by(*[k.copy() for k in keys]) if keys else select, complete=False)
+
+    def _schema(self, relation: exp.Expression) -> pa.Schema:
+        """The columns of ``relation`` (a table or a query), read with LIMIT 0."""
+        query = exp.select("*").from_(aliased(relation.copy(), "_s")).limit(0)
+        return self.session.engine.arrow(query.sql(dialect=self.session.engine.dialect)).schema
 
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)``: one row per element of the tiles present, (i0, ..., value)."""

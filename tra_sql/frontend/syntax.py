@@ -17,7 +17,7 @@ OPTIONS = {
     "einsum": ("join", "agg"),
     "grad": (),
     "tra_random": ("shape", "tile", "seed", "dtype", "dist"),
-    "tra_from_elements": ("shape", "tile", "dtype"),
+    "tra_from_elements": ("shape", "tile", "dtype", "nulls", "duplicates"),
     "tra_elements": (),
     "tra_check": ("repair",),
 }
@@ -28,6 +28,16 @@ def string_literal(node: exp.Expression, what: str) -> str:
     if isinstance(node, exp.Literal) and node.is_string:
         return node.this
     raise SpecError(f"{what} must be a string literal, got {node.sql(dialect='duckdb')}")
+
+
+def choice(options: dict[str, exp.Expression], key: str, allowed: tuple[str, ...]) -> str:
+    """The string option ``key`` (default: the first of ``allowed``), one of ``allowed``."""
+    if key not in options:
+        return allowed[0]
+    value = string_literal(options[key], key)
+    if value not in allowed:
+        raise SpecError(f"{key} must be {' or '.join(repr(a) for a in allowed)}, got {value!r}")
+    return value
 
 
 def int_literal(node: exp.Expression, what: str) -> int:
