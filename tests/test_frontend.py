@@ -156,15 +156,13 @@ def test_create_or_replace_reading_itself(db, ab):
 
 
 @pytest.mark.parametrize("query", [
-    "SELECT k0, k1, tile FROM A",
     "SELECT * FROM A JOIN B ON A.k0 = B.k0",
-    "SELECT * FROM A ORDER BY k0",
     "SELECT * FROM tra_elements(A)",
-    "SELECT * FROM einsum('ij->i', A) WHERE tile IS NOT NULL",
     "SELECT * FROM A WHERE k2 = 0",
+    "SELECT * FROM A, B",
 ])
 def test_create_tensor_rejects_other_queries(db, ab, query):
-    with pytest.raises(SQLError, match="statement 1"):
+    with pytest.raises(tra_sql.TraError, match="statement 1"):
         db.sql(f"CREATE TENSOR Z AS {query}")
     assert "Z" not in db.tensors()
 

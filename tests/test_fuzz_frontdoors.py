@@ -495,7 +495,8 @@ def elements_call(draw, shape=None) -> Expr:
         value[tuple(index)] += v
     tile = tuple(draw(st.integers(1, n)) for n in shape)
     values = ", ".join("(" + ", ".join(str(x) for x in row) + ")" for row in rows)
-    return Expr(f"tra_from_elements((VALUES {values}), shape => {list(shape)}, tile => {list(tile)})", value, tile)
+    return Expr(f"tra_from_elements((VALUES {values}), shape => {list(shape)}, tile => {list(tile)}, "
+                f"duplicates => 'sum')", value, tile)
 
 
 @st.composite

@@ -14,7 +14,8 @@ from tra_sql.errors import SpecError, SQLError
 @pytest.fixture
 def db():
     with tra_sql.connect() as session:
-        session.sql("CREATE TABLE e (i INTEGER, v REAL); INSERT INTO e VALUES (0, 1.5), (0, 2.0), (1, NULL), (2, 3.25)")
+        session.sql("CREATE TABLE e (i INTEGER, v REAL); "
+                    "INSERT INTO e VALUES (0, 1.5), (0, 2.0), (1, NULL), (2, 3.25)")
         yield session
 
 
@@ -23,7 +24,8 @@ def test_float_column_keeps_float32_other_columns_float64(db):
     db.sql("CREATE TENSOR F AS SELECT * FROM tra_from_elements((SELECT i, v FROM src), shape => [2]);"
            "CREATE TENSOR D AS SELECT * FROM tra_from_elements((SELECT i, d FROM src), shape => [2]);"
            "CREATE TENSOR N AS SELECT * FROM tra_from_elements((SELECT i, n FROM src), shape => [2]);"
-           "CREATE TENSOR G AS SELECT * FROM tra_from_elements((SELECT i, v FROM src), shape => [2], dtype => 'float64')")
+           "CREATE TENSOR G AS SELECT * FROM tra_from_elements((SELECT i, v FROM src), shape => [2], "
+           "dtype => 'float64')")
     assert db.tensor("F").dtype == np.float32 and db.tensor("F").numpy()[0] == np.float32(0.1)
     assert db.tensor("D").dtype == np.float64 and db.tensor("N").dtype == np.float64
     assert db.tensor("G").dtype == np.float64
@@ -50,7 +52,8 @@ def test_repeated_index_is_refused_unless_summed(db):
 
 def test_repeated_index_in_a_matrix_names_it(db):
     with pytest.raises(SQLError, match=r"element \(1, 2\) is given 3 times"):
-        db.sql("CREATE TENSOR M AS SELECT * FROM tra_from_elements((VALUES (0, 0, 1.0), (1, 2, 1.0), (1, 2, 2.0), (1, 2, 3.0)), "
+        db.sql("CREATE TENSOR M AS SELECT * FROM tra_from_elements("
+               "(VALUES (0, 0, 1.0), (1, 2, 1.0), (1, 2, 2.0), (1, 2, 3.0)), "
                "shape => [2, 3], tile => [1, 2])")
 
 

@@ -134,7 +134,8 @@ class TensorFunctions:
             raise SQLError(f"tra_from_elements(): {shown(source)} is not a table name or a (query)")
         schema = self._schema(relation)
         value_type = schema.field(len(schema) - 1).type if len(schema) else None
-        info = self._geometry("tra_from_elements", args, options, "float32" if value_type == pa.float32() else "float64")
+        default = "float32" if value_type == pa.float32() else "float64"
+        info = self._geometry("tra_from_elements", args, options, default)
         rank = len(info.shape)
         if len(schema) != rank + 1:
             raise SQLError(f"tra_from_elements(): the elements of a rank-{rank} tensor are rows of "

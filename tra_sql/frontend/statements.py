@@ -10,6 +10,7 @@ from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
 
 from tra_sql.errors import SQLError
+from tra_sql.frontend.syntax import options_text
 
 DIALECT = Dialect.get_or_raise("duckdb")
 TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements")
@@ -50,6 +51,18 @@ class Statement:
     def analyze(self) -> bool:
         """Whether this is ``EXPLAIN ANALYZE ...``."""
         return bool(re.match(r"EXPLAIN\s+ANALYZE\b", self.text, re.I))
+
+    def options(self, paren: int, what: str, allowed: tuple[str, ...]) -> tuple[dict, int]:
+        """The options ``(name := value, ...)`` whose ``(`` is token ``paren``, and the number of
+        the token after their ``)``."""
+        depth = 0
+        for j in range(paren, len(self.tokens)):
+            kind = self.tokens[j].token_type
+            depth += (kind == TokenType.L_PAREN) - (kind == TokenType.R_PAREN)
+            if depth == 0:
+                inside = self.text[self.tokens[paren].end + 1 - self.offset : self.tokens[j].start - self.offset]
+                return options_text(inside, what, allowed), j + 1
+        raise SQLError(f"{what}: the options' ( is not closed")
 
     def rest(self, token: int) -> str:
         """The text after token number ``token``."""

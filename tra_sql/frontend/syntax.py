@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import numpy as np
+import sqlglot
 from sqlglot import exp
 
 from tra_sql import catalog
@@ -20,6 +21,7 @@ OPTIONS = {
     "tra_from_elements": ("shape", "tile", "dtype", "nulls", "duplicates"),
     "tra_elements": (),
     "tra_check": ("repair",),
+    "tensor": ("shape", "tile", "dtype", "layout"),  # CREATE TENSOR name WITH (...)
 }
 SQL_TYPES = {"float64": "DOUBLE", "float32": "FLOAT", "int32": "INTEGER", "int64": "BIGINT"}
 
@@ -68,25 +70,43 @@ def function_name(call: exp.Anonymous) -> str:
     return call.name.lower()
 
 
-def arguments(call: exp.Anonymous) -> tuple[list[exp.Expression], dict[str, exp.Expression]]:
-    """Positional arguments and named options (``name => v`` or ``name := v``) of ``call``."""
+def arguments(call: exp.Anonymous, what: str | None = None,
+              allowed: tuple[str, ...] | None = None) -> tuple[list[exp.Expression], dict[str, exp.Expression]]:
+    """Positional arguments and named options (``name => v`` or ``name := v``) of ``call``
+    (``what`` names it in errors, ``allowed`` its options: by default the function's)."""
     fname = function_name(call)
+    what = what or f"{fname}()"
+    allowed = OPTIONS[fname] if allowed is None else allowed
     positional: list[exp.Expression] = []
     named: dict[str, exp.Expression] = {}
     for arg in call.expressions:
         if isinstance(arg, (exp.Kwarg, exp.PropertyEQ)):
             key = arg.this.name.lower()
-            if key not in OPTIONS[fname]:
-                known = ", ".join(OPTIONS[fname]) or "none"
-                raise SpecError(f"{fname}() has no option {arg.this.name!r}; its options: {known}")
+            if key not in allowed:
+                known = ", ".join(allowed) or "none"
+                raise SpecError(f"{what} has no option {arg.this.name!r}; its options: {known}")
             if key in named:
-                raise SpecError(f"{fname}() option {key!r} is given twice")
+                raise SpecError(f"{what} option {key!r} is given twice")
             named[key] = arg.expression
         elif named:
-            raise SQLError(f"{fname}(): positional argument {arg.sql(dialect='duckdb')} after a named one")
+            raise SQLError(f"{what}: positional argument {arg.sql(dialect='duckdb')} after a named one")
         else:
             positional.append(arg)
     return positional, named
+
+
+def options_text(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, exp.Expression]:
+    """The named options ``name := value, ...`` of ``text`` (the inside of ``WITH (...)``)."""
+    try:
+        call = sqlglot.parse_one(f"_options({text})", read="duckdb")
+    except sqlglot.errors.ParseError:
+        raise SQLError(f"{what}: cannot read the options ({text})") from None
+    if not isinstance(call, exp.Anonymous):
+        raise SQLError(f"{what}: cannot read the options ({text})")
+    positional, named = arguments(call, what, allowed)
+    if positional:
+        raise SQLError(f"{what}: options are written name := value, got {shown(positional[0])}")
+    return named
 
 
 def array(items: list[exp.Expression]) -> exp.Expression:
