@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import absent, budget, catalog
+from tra_sql import absent, autodiff, budget, catalog, relations
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import DTypeError, SpecError, SQLError
 from tra_sql.frontend.syntax import (
@@ -17,6 +17,7 @@ from tra_sql.frontend.syntax import (
     aliased,
     arguments,
     array,
+    bool_literal,
     choice,
     dtype_named,
     int_literal,
@@ -25,6 +26,7 @@ from tra_sql.frontend.syntax import (
     shown,
     sql_call,
     string_literal,
+    strings_literal,
     tile_position,
 )
 from tra_sql.graph import Source
@@ -72,7 +74,13 @@ class TensorFunctions:
         if len(args) != 2:
             raise SpecError("grad() takes two tensors: grad(loss, W)")
         loss, wrt = (self.tensor(a) for a in args)
-        return self.session.grad(loss, wrt)
+        return Tensor(self.session, autodiff.gradients(loss.node, [wrt.node], self.gradient_context())[0])
+
+    def gradient_context(self) -> autodiff.Context:
+        """``Session.gradient_context``, told about the statement's literals (as ``completeness``)."""
+        stored = self.session.gradient_context()
+        return autodiff.Context(lambda source: self.complete[source.table] if source.table in self.complete
+                                else stored.source_dense(source), stored.eye)
 
     def _geometry(self, fname: str, args, options, dtype: str) -> TensorInfo:
         if "shape" in options and args:
@@ -167,6 +175,32 @@ class TensorFunctions:
         """The columns of ``relation`` (a table or a query), read with LIMIT 0."""
         query = exp.select("*").from_(aliased(relation.copy(), "_s")).limit(0)
         return self.session.engine.arrow(query.sql(dialect=self.session.engine.dialect)).schema
+
+    def _tra_relation(self, call: exp.Anonymous) -> Tensor:
+        """``tra_relation(table, keys => [..] [, value => 'col'] [, shape, tile, dtype, layout,
+        sum_duplicates])``: the rows of ``table`` as the nonzeros of a tensor (``db.relation``'s
+        view, read where the statement uses it: nothing is copied or stored)."""
+        args, options = arguments(call)
+        if len(args) != 1 or "keys" not in options:
+            raise SpecError("tra_relation() takes a table, then keys => ['col', ...]: "
+                            "tra_relation(edges, keys => ['src', 'dst'], value => 'w')")
+        table = args[0]
+        if isinstance(table, exp.Literal) and table.is_string:
+            name = table.this
+        elif isinstance(table, exp.Column) and not table.table:
+            name = table.name
+        else:
+            raise SQLError(f"tra_relation(): {shown(table)} is not a table name")
+        value = options.get("value")
+        given = {key: parse(options[key], key) for key, parse in (
+            ("shape", ints_literal), ("tile", ints_literal), ("dtype", string_literal), ("layout", string_literal),
+            ("sum_duplicates", bool_literal)) if key in options}
+        info, select = relations.relation_query(
+            self.session, name, strings_literal(options["keys"], "keys"),
+            None if value is None or isinstance(value, exp.Null) else string_literal(value, "value"),
+            name=f"_tra_relation_{next(self.counter)}", **given)
+        relations.ensure_udfs(self.session)
+        return self._literal(info, select, complete=False)
 
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)``: one row per element of the tiles present, (i0, ..., value)."""

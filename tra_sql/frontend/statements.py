@@ -13,7 +13,7 @@ from tra_sql.errors import SQLError
 from tra_sql.frontend.syntax import options_text
 
 DIALECT = Dialect.get_or_raise("duckdb")
-TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements")
+TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements", "tra_relation")
 FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check")
 
 

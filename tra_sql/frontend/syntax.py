@@ -19,6 +19,7 @@ OPTIONS = {
     "grad": (),
     "tra_random": ("shape", "tile", "seed", "dtype", "dist"),
     "tra_from_elements": ("shape", "tile", "dtype", "nulls", "duplicates"),
+    "tra_relation": ("keys", "value", "shape", "tile", "dtype", "layout", "sum_duplicates"),
     "tra_elements": (),
     "tra_check": ("repair",),
     "tensor": ("shape", "tile", "dtype", "layout"),  # CREATE TENSOR name WITH (...)
@@ -49,6 +50,19 @@ def int_literal(node: exp.Expression, what: str) -> int:
     if isinstance(node, exp.Literal) and not node.is_string and re.fullmatch(r"\d+", node.this):
         return sign * int(node.this)
     raise SpecError(f"{what} must be an integer, got {node.sql(dialect='duckdb')}")
+
+
+def strings_literal(node: exp.Expression, what: str) -> tuple[str, ...]:
+    """A string or a list of strings."""
+    if isinstance(node, (exp.Array, exp.Tuple)):
+        return tuple(string_literal(e, what) for e in node.expressions)
+    return (string_literal(node, what),)
+
+
+def bool_literal(node: exp.Expression, what: str) -> bool:
+    if isinstance(node, exp.Boolean):
+        return bool(node.this)
+    raise SpecError(f"{what} must be true or false, got {node.sql(dialect='duckdb')}")
 
 
 def ints_literal(node: exp.Expression, what: str) -> tuple[int, ...]:
