@@ -67,7 +67,7 @@ def test_grad_through_a_relation(db):
               value => 'w', layout => 'csr'), W, "join" => 'pow(x0 * x1, 2)'), W)""")
     # d/dW_uf sum_v,u,f (A_vu W_uf)^2 over the rows (entries) of the relation
     expected = np.zeros_like(W)
-    for s, d, w in EDGES:
+    for _src, d, w in EDGES:
         expected[d] += 2 * w * w * W[d]
     np.testing.assert_allclose(db.tensor("G").numpy(), expected)
 
