@@ -13,7 +13,7 @@ from sqlglot.tokens import TokenType
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import SQLError, UnknownTensorError
-from tra_sql.frontend import query_tensor
+from tra_sql.frontend import query_tensor, tensor_views
 from tra_sql.frontend.blame import engine_error
 from tra_sql.frontend.rewrite import Rewriter
 from tra_sql.frontend.statements import Statement
@@ -70,6 +70,7 @@ def create_tensor(session: Session, statement: Statement, run: bool) -> str | No
     (``query_tensor``)."""
     create = CreateTensor.of(statement)
     name, replace = create.name, create.replace
+    tensor_views.check_free(session, name)
     rewriter = Rewriter(session, run)
     tree = rewriter.parse(create.select)
     found = None if create.options else rewriter.narrow(tree)

@@ -35,17 +35,30 @@ class Statement:
 
     @property
     def kind(self) -> str:
-        """create, drop, explain, tensor (calls a tensor function) or plain."""
-        head = self.words(0, 4)
-        if head[0] == "CREATE" and (head[1] == "TENSOR" or head[1:] == ["OR", "REPLACE", "TENSOR"]):
-            return "create"
+        """create, view (CREATE TENSOR VIEW), parameter, drop, drop view, train, explain,
+        tensor (calls a tensor function) or plain."""
+        head = self.words(0, 6)
+        if head[0] == "CREATE":
+            at = 3 if head[1:3] == ["OR", "REPLACE"] else 1
+            if head[at] == "TENSOR":
+                view = head[at + 1] == "VIEW" and len(self.tokens) > at + 2 and head[at + 2] not in ("AS", "WITH")
+                return "view" if view else "create"
+            if head[at] == "PARAMETER":
+                return "parameter"
         if head[:2] == ["DROP", "TENSOR"]:
-            return "drop"
+            return "drop view" if head[2] == "VIEW" and len(self.tokens) > 3 else "drop"
+        if head[0] == "TRAIN":
+            return "train"
         if head[0] == "EXPLAIN":
             return "explain"
         calls = any(t.token_type == TokenType.VAR and t.text.lower() in FUNCTIONS and
                     n.token_type == TokenType.L_PAREN for t, n in zip(self.tokens, self.tokens[1:]))
         return "tensor" if calls else "plain"
+
+    def names(self, names: set[str]) -> bool:
+        """Whether a name (identifier) of ``names`` (lower case) occurs in the statement."""
+        return any(t.token_type in (TokenType.VAR, TokenType.IDENTIFIER) and t.text.lower() in names
+                   for t in self.tokens)
 
     @property
     def analyze(self) -> bool:

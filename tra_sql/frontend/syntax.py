@@ -59,6 +59,23 @@ def strings_literal(node: exp.Expression, what: str) -> tuple[str, ...]:
     return (string_literal(node, what),)
 
 
+def value_literal(node: exp.Expression, what: str) -> Any:
+    """A number, string, boolean or list of them, as Python values."""
+    if isinstance(node, exp.Neg):
+        inner = value_literal(node.this, what)
+        if isinstance(inner, (int, float)) and not isinstance(inner, bool):
+            return -inner
+    elif isinstance(node, exp.Literal):
+        if node.is_string:
+            return node.this
+        return int(node.this) if re.fullmatch(r"\d+", node.this) else float(node.this)
+    elif isinstance(node, exp.Boolean):
+        return bool(node.this)
+    elif isinstance(node, (exp.Array, exp.Tuple)):
+        return tuple(value_literal(e, what) for e in node.expressions)
+    raise SpecError(f"{what} must be a number, string, true/false or a list of them, got {shown(node)}")
+
+
 def bool_literal(node: exp.Expression, what: str) -> bool:
     if isinstance(node, exp.Boolean):
         return bool(node.this)
