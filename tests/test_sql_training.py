@@ -75,7 +75,7 @@ def scalar(db, sql):
 def test_train_matches_the_python_api(db, options, optimizer):
     rows = db.sql(f"TRAIN loss PARAMETERS W, b WITH ({options}, epochs := 6)").fetchall()
     w, b, losses = python_run(optimizer, 6)
-    assert [r[1] for r in rows] == list(range(1, 7)) and {r[0] for r in rows} == {"loss"}
+    assert [r[1] for r in rows] == list(range(6)) and {r[0] for r in rows} == {"loss"}
     np.testing.assert_allclose([r[2] for r in rows], losses, rtol=1e-9)
     np.testing.assert_allclose(db.tensor("W").numpy(), w, rtol=1e-9)
     np.testing.assert_allclose(db.tensor("b").numpy(), b, rtol=1e-9, atol=1e-12)

@@ -232,6 +232,20 @@ class TensorFunctions:
         value = exp.alias_(exp.cast(exp.column("value"), SQL_TYPES[dtype.name]), "value")
         return exp.select(*indices, value).from_(aliased(flat, "_u"))
 
+    def plan(self, call: exp.Anonymous) -> exp.Select:
+        """``tra_plan(t [, workers => 4] [, memory => '1GB'] [, format => 'text'])``: the
+        planner's plan for computing ``t`` (``Session.plan(...).explain(format)``), a row per line."""
+        args, options = arguments(call)
+        if len(args) != 1:
+            raise SQLError("tra_plan() takes one tensor: tra_plan(einsum(...) [, workers => 4])")
+        tensor = self.tensor(args[0])
+        workers = int_literal(options["workers"], "workers") if "workers" in options else None
+        memory = string_literal(options["memory"], "memory") if "memory" in options else None
+        fmt = string_literal(options["format"], "format") if "format" in options else "text"
+        text = self.session.plan(tensor, workers, memory).explain(fmt)
+        lines = sql_call("string_split", exp.Literal.string(text), exp.Literal.string("\n"))
+        return exp.select(exp.alias_(sql_call("unnest", lines), "plan"))
+
     def check(self, call: exp.Anonymous) -> exp.Select:
         """``tra_check([repair => true])``: ``Session.check``'s findings as rows (tensor,
         problem, detail, repaired); it repairs only when the statement runs (not in EXPLAIN)."""

@@ -24,6 +24,7 @@ from tra_sql.tensor import Tensor
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
+RELATIONS = {"tra_elements": "elements", "tra_check": "check", "tra_plan": "plan"}  # the other functions
 USAGE_CREATE = ("this CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(...), "
                 "tra_from_elements(...) or a stored tensor, optionally with WHERE on the keys k0..")
 
@@ -140,7 +141,7 @@ class Rewriter(TensorFunctions):
                         self.read.append(self.tensor(call))
                         select = self.query(self.read[-1])
                     else:
-                        select = self.elements(call) if function_name(call) == "tra_elements" else self.check(call)
+                        select = getattr(self, RELATIONS[function_name(call)])(call)
                 alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(function_name(call)))
                 return exp.Subquery(this=select, alias=alias.copy())
             if isinstance(node, exp.Table) and isinstance(node.this, exp.Identifier) and not node.args.get("db") \

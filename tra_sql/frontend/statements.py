@@ -14,7 +14,7 @@ from tra_sql.frontend.syntax import options_text
 
 DIALECT = Dialect.get_or_raise("duckdb")
 TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements", "tra_relation")
-FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check")
+FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check", "tra_plan")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ OPTIONS = {
     "tra_relation": ("keys", "value", "shape", "tile", "dtype", "layout", "sum_duplicates"),
     "tra_elements": (),
     "tra_check": ("repair",),
+    "tra_plan": ("workers", "memory", "format"),
     "tensor": ("shape", "tile", "dtype", "layout"),  # CREATE TENSOR name WITH (...)
 }
 SQL_TYPES = {"float64": "DOUBLE", "float32": "FLOAT", "int32": "INTEGER", "int64": "BIGINT"}

@@ -8,7 +8,7 @@ REPLACE] PARAMETER`` and ``TRAIN [STEP]``, done (``run``) or described.
   20, run := 'name', <the optimizer's options>)]`` is ``db.train`` with an optimizer of
   ``tra_sql.optim`` (``sgd``, ``adam``, ``adamw``): resumable under its ``run`` name (default:
   the loss's name), per-epoch loss in the run tables; STEP runs one more step of the run. The
-  statement's result is the run's epochs (epoch, step, loss, seconds).
+  statement's result is the run's epochs (run, epoch from 0 as in ``tra_run_log``, loss, seconds).
 - Tensor functions in the loss (``tra_random``, ``tra_from_elements``, ``tra_relation``) are
   relation views while the run trains (read by every step, never copied), dropped after.
 """
@@ -204,5 +204,5 @@ def train(session: Session, statement: Statement, run: bool):
         for table in made:
             session.drop(table)
     return session.engine.query(
-        "SELECT ? AS run, unnest(range(1, ? + 1)) AS epoch, unnest(?::DOUBLE[]) AS loss, "
+        "SELECT ? AS run, unnest(range(?)) AS epoch, unnest(?::DOUBLE[]) AS loss, "
         "unnest(?::DOUBLE[]) AS seconds", [name, history.epochs, history.losses, history.seconds])
