@@ -17,8 +17,9 @@ TABLE = "tra_tensor_views"
 
 
 def definitions(session: Session) -> dict[str, tuple[str, str]]:
-    """Lower-case name -> (name, definition) of every tensor view (none before the first)."""
-    if session.engine.object_kind(TABLE) is None:
+    """Lower-case name -> (name, definition) of every tensor view (none before the first, and
+    none on engines other than DuckDB)."""
+    if session.engine.name != "duckdb" or session.engine.object_kind(TABLE) is None:
         return {}
     return {name.lower(): (name, text) for name, text in
             session.engine.rows(f"SELECT name, definition FROM {TABLE} ORDER BY name")}
@@ -28,6 +29,8 @@ def create(session: Session, name: str, definition: str, replace: bool) -> None:
     """Keep ``definition`` as tensor view ``name`` (a stored tensor or table of that name is an
     error; an existing view needs ``replace``)."""
     catalog.check_name(name)
+    if session.engine.name != "duckdb":
+        raise SQLError(f"tensor views are kept in DuckDB's catalog; the {session.engine.name} engine has none")
     views = definitions(session)
     if name.lower() in views and not replace:
         raise TensorExistsError(f"a tensor view named '{views[name.lower()][0]}' exists already; "
