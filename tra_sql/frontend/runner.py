@@ -29,12 +29,13 @@ class Frontend:
 
     def __init__(self, session: Session):
         self.session = session
+        self._views: set[str] | None = None  # lower-case tensor view names, read once (a view statement resets)
 
     # -- scripts and statements -----------------------------------------------------------
     def run(self, text: str, params=None, *, cursor: bool = False):
         """Run every statement of ``text``; the last one's result (see ``Session.sql``)."""
         self.prepare()
-        if not is_extended(text) and not tensor_views.definitions(self.session):
+        if not is_extended(text) and not self.views():
             return self.plain(text, params, cursor, "statement")
         statements = split_statements(text)
         result = None
@@ -49,10 +50,16 @@ class Frontend:
         with blamed(statement):
             return self._run_one(statement, params, cursor)
 
+    def views(self) -> set[str]:
+        """The lower-case names of the tensor views."""
+        if self._views is None:
+            self._views = set(tensor_views.definitions(self.session))
+        return self._views
+
     def kind(self, statement: Statement) -> str:
         """``statement.kind``, where a statement that names a tensor view is ``tensor``."""
         kind = statement.kind
-        if kind == "plain" and statement.names(set(tensor_views.definitions(self.session))):
+        if kind == "plain" and statement.names(self.views()):
             return "tensor"
         return kind
 
@@ -68,6 +75,7 @@ class Frontend:
         if kind == "drop":
             return drop_tensor(self.session, statement, run=True)
         if kind in TRAINING:
+            self._views = None
             return TRAINING[kind](self.session, statement, True)
         if kind == "plain":
             return self.plain(statement.text, params, cursor, statement.where())
