@@ -808,8 +808,10 @@ def test_dot_commands_check_their_name_and_arguments():
     status, out, err = prompt(".tensors x\n.foo\n.\n.HELP\n.tensors\nSELECT 42 AS answer;\n.exit\nSELECT 7;\n")
     assert status == 1  # piped: an error line makes the exit status 1, as a failed statement does
     assert err.splitlines() == ["Error: .tensors takes no arguments, got x",
-                                "Error: unknown command .foo; the commands are .tensors, .help, .quit, .exit",
-                                "Error: unknown command .; the commands are .tensors, .help, .quit, .exit"]
+                                "Error: unknown command .foo; the commands are .tensors, .views, .runs, .help, "
+                                ".quit, .exit",
+                                "Error: unknown command .; the commands are .tensors, .views, .runs, .help, .quit, "
+                                ".exit"]
     assert "Commands:" in out and "tile_shape" in out and "42" in out and "7" not in out.split("42")[1]
 
 

@@ -37,7 +37,7 @@ from tra_sql.session import Session, connect
 HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
 QUIET = (["Count"], ["Success"])
 QUIT = (".quit", ".exit")
-LISTS = {  # dot-command -> (the table it shows, its columns; nothing before the table exists)
+LISTS = {  # dot-command -> (the table it shows, its columns); views and runs: none before the first
     ".tensors": (CATALOG_TABLE, "*"),
     ".views": (tensor_views.TABLE, "name, definition"),
     ".runs": (train.RUNS, "run, epoch, step, optimizer"),
@@ -151,7 +151,7 @@ def command(db: Session, line: str, out: TextIO, err: TextIO) -> bool:
         print(HELP, file=out)
         return True
     table, columns = LISTS[name.lower()]
-    if db.engine.object_kind(table) is None:
+    if table != CATALOG_TABLE and db.engine.object_kind(table) is None:
         return True
     try:
         show(db.engine.query(f"SELECT {columns} FROM {table} ORDER BY 1"), out)
