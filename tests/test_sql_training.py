@@ -130,6 +130,10 @@ def test_parameters_are_kept_replaced_and_checked(db):
                                       other.parameter("W", (3, 2), "normal", seed=9, scale=0.5).numpy())
     with pytest.raises(ShapeError, match="stored with shape"):
         db.sql("CREATE PARAMETER W WITH (shape := [4, 2])")
+    kept = db.tensor("W").numpy()
+    with pytest.raises(SpecError, match="initializer 'bogus'"):  # a failed replace keeps the stored one
+        db.sql("CREATE OR REPLACE PARAMETER W WITH (shape := [3, 2], init := 'bogus')")
+    np.testing.assert_array_equal(db.tensor("W").numpy(), kept)
     with pytest.raises(SpecError, match="initializer 'ones_please'"):
         db.sql("CREATE PARAMETER V WITH (shape := [2], init := 'ones_please')")
     with pytest.raises(SQLError, match="CREATE .*PARAMETER name WITH"):

@@ -107,9 +107,7 @@ def create_parameter(session: Session, statement: Statement, run: bool) -> str |
     if not run:
         return f"-- parameter {name}: shape {shape}, init {init!r}, {given} (a stored {name} of that shape is kept)"
     tensor_views.check_free(session, name)
-    if replace and name.lower() in (t.lower() for t in session.tensors()):
-        session.drop(name)
-    session.parameter(name, shape, init, **given)
+    session.parameter(name, shape, init, replace=replace, **given)
     return None
 
 
