@@ -225,3 +225,18 @@ def test_digits_example_through_the_cli_reaches_the_python_api(tmp_path):
     again = cli("d.duckdb", "-f", str(EXAMPLES / "digits.sql"), cwd=tmp_path)  # the run is complete: resumed
     assert again.returncode == 0, again.stderr
     assert float(re.search(r"test_accuracy.*?(\d\.\d+)", again.stdout, re.S).group(1)) == accuracy
+
+
+def test_parameter_and_train_statements_on_spark(tmp_path):
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None:
+        pytest.skip("Spark needs Java")
+    with tra_sql.connect(str(tmp_path / "warehouse"), engine="spark", master="local[1]", driver_memory="1g",
+                         config={"spark.sql.shuffle.partitions": "1"}) as db:
+        db.from_numpy("X", np.arange(6.0).reshape(3, 2))
+        db.sql("CREATE PARAMETER w WITH (shape := [2], init := 'zeros')")
+        rows = db.sql("""TRAIN einsum('nf,f->', X, w, "join" => 'pow(x0 * x1 - 1, 2)') PARAMETERS w
+                         WITH (optimizer := 'sgd', lr := 0.01, epochs := 3, run := 'r')""").collect()
+        assert [(r["epoch"], r["loss"]) for r in rows][0] == (0, 6.0) and rows[2]["loss"] < rows[1]["loss"] < 6
+        with pytest.raises(SQLError, match="DuckDB's catalog"):
+            db.sql("CREATE TENSOR VIEW v AS SELECT * FROM X")

@@ -201,6 +201,21 @@ def train(session: Session, statement: Statement, run: bool):
     finally:
         for table in made:
             session.drop(table)
-    return session.engine.query(
-        "SELECT ? AS run, unnest(range(?)) AS epoch, unnest(?::DOUBLE[]) AS loss, "
-        "unnest(?::DOUBLE[]) AS seconds", [name, history.epochs, history.losses, history.seconds])
+    return session.engine.query(epochs_query(name, history.losses, history.seconds).sql(dialect=session.engine.dialect))
+
+
+def epochs_query(run: str, losses: list[float], seconds: list[float]) -> exp.Select:
+    """The rows (run, epoch, loss, seconds) of a run's epochs, as SQL of literals."""
+    columns = ["run", "epoch", "loss", "seconds"]
+    if not losses:
+        types = ("VARCHAR", "BIGINT", "DOUBLE", "DOUBLE")
+        return exp.select(*[exp.alias_(exp.cast(exp.null(), t), c) for c, t in zip(columns, types)]).where(
+            exp.false())
+    def double(x: float) -> exp.Expression:  # exact, and nan or inf (a diverged run) too
+        return exp.cast(exp.Literal.string(repr(float(x))), "DOUBLE")
+
+    rows = [exp.tuple_(exp.Literal.string(run), exp.Literal.number(epoch), double(loss), double(s))
+            for epoch, (loss, s) in enumerate(zip(losses, seconds))]
+    values = exp.Values(expressions=rows, alias=exp.TableAlias(this=exp.to_identifier("epochs"),
+                                                               columns=[exp.to_identifier(c) for c in columns]))
+    return exp.select(*columns).from_(values)
