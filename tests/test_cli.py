@@ -120,7 +120,8 @@ def test_error_while_printing_names_statement(capsys):
     assert err.startswith("Error: statement 1") and "element (9,) is outside the shape (2,)" in err
 
 
-@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.sql")))
+# digits.sql reads CSV files: tests/test_sql_training.py writes them and runs it
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.sql") if p.name != "digits.sql"))
 def test_examples_run(example, tmp_path):
     db = tmp_path / "ex.db"
     done = run(str(db), "-f", str(EXAMPLES / example))

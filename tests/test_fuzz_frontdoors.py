@@ -505,7 +505,8 @@ def elements_call(draw, shape=None) -> Expr:
         value[tuple(index)] += v
     tile = tuple(draw(st.integers(1, n)) for n in shape)
     values = ", ".join("(" + ", ".join(str(x) for x in row) + ")" for row in rows)
-    return Expr(f"tra_from_elements((VALUES {values}), shape => {list(shape)}, tile => {list(tile)})", value, tile)
+    return Expr(f"tra_from_elements((VALUES {values}), shape => {list(shape)}, tile => {list(tile)}, "
+                f"duplicates => 'sum')", value, tile)
 
 
 @st.composite
@@ -817,8 +818,10 @@ def test_dot_commands_check_their_name_and_arguments():
     status, out, err = prompt(".tensors x\n.foo\n.\n.HELP\n.tensors\nSELECT 42 AS answer;\n.exit\nSELECT 7;\n")
     assert status == 1  # piped: an error line makes the exit status 1, as a failed statement does
     assert err.splitlines() == ["Error: .tensors takes no arguments, got x",
-                                "Error: unknown command .foo; the commands are .tensors, .help, .quit, .exit",
-                                "Error: unknown command .; the commands are .tensors, .help, .quit, .exit"]
+                                "Error: unknown command .foo; the commands are .tensors, .views, .runs, .help, "
+                                ".quit, .exit",
+                                "Error: unknown command .; the commands are .tensors, .views, .runs, .help, .quit, "
+                                ".exit"]
     assert "Commands:" in out and "tile_shape" in out and "42" in out and "7" not in out.split("42")[1]
 
 

@@ -235,7 +235,8 @@ def test_tensor_sql(sdb, duck):
     for db in (sdb, duck):
         db.sql("""CREATE OR REPLACE TENSOR sR AS SELECT * FROM tra_random(shape => [5, 4], tile => [2, 3], seed => 7);
                   CREATE OR REPLACE TENSOR sE AS SELECT * FROM einsum('ij,jk->ik', sR,
-                      tra_from_elements((SELECT j, i, v FROM elems), shape => [4, 5], tile => [3, 2]))""")
+                      tra_from_elements((SELECT j, i, v FROM elems), shape => [4, 5], tile => [3, 2],
+                                        duplicates => 'sum'))""")
         made.append((db.tensor("sR").numpy(), db.tensor("sE").numpy()))
     for ours, theirs in zip(*made):
         np.testing.assert_array_equal(ours, theirs)

@@ -3,11 +3,12 @@
 With ``-c`` or ``-f`` the statements run in order and stop at the first error (exit status 1,
 one line on stderr). Without them, statements are read from a prompt (from stdin when it is
 not a terminal): a statement may span lines and ends with ``;``; ``EXPLAIN <statement>``
-prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.help`` and ``.quit``
-(or ``.exit``) are commands, taking no arguments (anything else is an error line, as a failed
-statement is). A command may also come inside an unfinished statement (a line starting with
-``.`` and a letter), as psql's backslash commands do: it runs at once and the statement goes
-on (``.quit`` drops it). Results are printed as tables. When the reader of the output goes
+prints the SQL the tensor syntax is rewritten into; ``.tensors``, ``.views`` (tensor views),
+``.runs`` (training runs), ``.help`` and ``.quit`` (or ``.exit``) are commands, taking no
+arguments (anything else is an error line, as a failed statement is). A command may also come
+inside an unfinished statement (a line starting with ``.`` and a letter), as psql's backslash
+commands do: it runs at once and the statement goes on (``.quit`` drops it). Results are
+printed as tables. When the reader of the output goes
 away (``tra-sql -c ... | head``), the command stops quietly with exit status 141, as programs
 ended by SIGPIPE do.
 """
@@ -24,7 +25,10 @@ import duckdb
 import sqlglot
 from sqlglot.tokens import TokenType
 
+from tra_sql import train
+from tra_sql.catalog import CATALOG_TABLE
 from tra_sql.errors import TraError
+from tra_sql.frontend import tensor_views
 from tra_sql.frontend.blame import engine_error
 from tra_sql.frontend.runner import Frontend
 from tra_sql.frontend.statements import DIALECT, Statement, split_statements
@@ -33,16 +37,26 @@ from tra_sql.session import Session, connect
 HISTORY = os.path.join(os.path.expanduser("~"), ".tra_sql_history")
 QUIET = (["Count"], ["Success"])
 QUIT = (".quit", ".exit")
-COMMANDS = (".tensors", ".help", *QUIT)
+LISTS = {  # dot-command -> (the table it shows, its columns); views and runs: none before the first
+    ".tensors": (CATALOG_TABLE, "*"),
+    ".views": (tensor_views.TABLE, "name, definition"),
+    ".runs": (train.RUNS, "run, epoch, step, optimizer"),
+}
+COMMANDS = (*LISTS, ".help", *QUIT)
 BROKEN_PIPE = 141  # the exit status of a program ended by SIGPIPE, as shells report it
-HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's:
+HELP = """Statements end with ';'. Tensor SQL, besides DuckDB's (docs/sql.md):
   SELECT * FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 * x1'] [, agg => 'sum'])
+  SELECT * FROM grad(loss, W)                        -- d loss / d W
   SELECT * FROM tra_elements(A)                      -- one row per element
   SELECT * FROM tra_random(shape => [4, 3], tile => [2, 2], seed => 0)
   SELECT * FROM tra_from_elements((SELECT i, j, v FROM t), shape => [4, 3])
-  CREATE [OR REPLACE] TENSOR name AS SELECT * FROM einsum(...);   DROP TENSOR name;
+  SELECT * FROM tra_relation(edges, keys => ['src', 'dst'], value => 'w', layout => 'csr')
+  CREATE [OR REPLACE] TENSOR name [WITH (shape := [..], ...)] AS <query>;   DROP TENSOR name;
+  CREATE [OR REPLACE] TENSOR VIEW name AS SELECT * FROM einsum(...);   DROP TENSOR VIEW name;
+  CREATE [OR REPLACE] PARAMETER W WITH (shape := [4, 3], init := 'glorot_uniform', seed := 0);
+  TRAIN [STEP] loss PARAMETERS W, b WITH (optimizer := 'adam', lr := 0.1, epochs := 20);
   EXPLAIN <statement>                                -- the rewritten SQL
-Commands: .tensors  .help  .quit"""
+Commands: .tensors  .views  .runs  .help  .quit"""
 
 
 def one_line(err: BaseException) -> str:
@@ -136,10 +150,13 @@ def command(db: Session, line: str, out: TextIO, err: TextIO) -> bool:
     if name.lower() == ".help":
         print(HELP, file=out)
         return True
+    table, columns = LISTS[name.lower()]
+    if table != CATALOG_TABLE and db.engine.object_kind(table) is None:
+        return True
     try:
-        show(db.engine.query("SELECT * FROM tra_tensors ORDER BY name"), out)
+        show(db.engine.query(f"SELECT {columns} FROM {table} ORDER BY 1"), out)
     except duckdb.Error as error:
-        print(f"Error: .tensors: {one_line(error)}", file=err)
+        print(f"Error: {name}: {one_line(error)}", file=err)
         return False
     return True
 

@@ -55,13 +55,14 @@ def initial_value(shape: tuple[int, ...], init, rng: np.random.Generator, scale:
 
 
 def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed: int = 0, dtype="float64",
-              tile=None, scale: float | None = None) -> Tensor:
+              tile=None, scale: float | None = None, replace: bool = False) -> Tensor:
     """The parameter tensor ``name``: the stored one if it exists (a resumed run), else a new
     one drawn by ``init`` from a generator seeded with (``seed``, the name); a stored one of
-    another shape than ``shape`` (or ``init``'s, an array's) raises ``ShapeError``."""
+    another shape than ``shape`` (or ``init``'s, an array's) raises ``ShapeError``. With
+    ``replace`` it is drawn anew, replacing a stored one only once the draw succeeded."""
     if shape is None and not isinstance(init, str) and not callable(init):
         shape = np.shape(init)
-    if name.lower() in (t.lower() for t in db.tensors()):
+    if not replace and name.lower() in (t.lower() for t in db.tensors()):
         stored = db.tensor(name)
         if shape is not None and tuple(int(n) for n in shape) != stored.shape:
             raise ShapeError(f"parameter '{name}' is stored with shape {stored.shape}, not {tuple(shape)}: "
@@ -71,4 +72,4 @@ def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed
         shape = np.shape(init)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     value = initial_value(tuple(int(n) for n in shape), init, rng, scale).astype(dtype)
-    return db.from_numpy(name, value, tile=tile)
+    return db.from_numpy(name, value, tile=tile, replace=replace)

@@ -53,7 +53,7 @@ def _column(name: str) -> exp.Expression:
     return exp.column(name, quoted=True)
 
 
-def _shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
+def key_shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
     """``max(key) + 1`` per key column."""
     select = exp.select(*[exp.Max(this=_column(k)) for k in keys]).from_(exp.to_table(table))
     row = db.engine.rows(select.sql(dialect=db.engine.dialect))[0]
@@ -107,6 +107,17 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     """View ``table`` as a tensor relation named ``name`` (default ``<table>_<keys...>``):
     one dimension per column in ``keys``, the nonzeros from column ``value`` (1.0 if None).
     ``shape`` defaults to ``max(key) + 1`` per column; ``layout`` is ``dense`` or ``csr``."""
+    info, select = relation_query(db, table, keys, value, shape, name=name, dtype=dtype, tile=tile,
+                                  sum_duplicates=sum_duplicates, layout=layout)
+    ensure_udfs(db)
+    db.engine.create_relation(info, select, replace)
+    return db.tensor(info.name)
+
+
+def relation_query(db: Session, table: str, keys, value: str | None = None, shape=None, *, name: str | None = None,
+                   dtype="float64", tile=None, sum_duplicates: bool = False,
+                   layout: str = "dense") -> tuple[catalog.TensorInfo, exp.Select]:
+    """The geometry of ``relation``'s tensor and the SELECT of its tiles (checked, nothing made)."""
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     if not keys:
         raise SpecError("a relation needs at least one key column")
@@ -116,14 +127,12 @@ def relation(db: Session, table: str, keys, value: str | None = None, shape=None
     name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
     if name.lower() == table.lower():
         raise SpecError(f"relation {name!r} would replace the table it views (names are case-insensitive)")
-    shape = _shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
+    shape = key_shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
     if len(shape) != len(keys):
         raise ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
     tile = relation_tile(name, shape, layout, tile)
     select = view_select(table, keys, value, shape, dtype, tile, sum_duplicates, layout)
-    ensure_udfs(db)
-    db.engine.create_relation(catalog.TensorInfo(name, dtype, shape, tile, layout), select, replace)
-    return db.tensor(name)
+    return catalog.TensorInfo(name, dtype, shape, tile, layout), select
 
 
 def drop_relation(db: Session, name: str) -> None:

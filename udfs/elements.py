@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError
+from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError, SQLError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.protocol import TileGeometry
 from tra_sql.udfs.python_kernels import implements
@@ -114,6 +114,18 @@ def _tile_buffer(shapes: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.nd
     return np.zeros(int(offsets[-1]), dtype=dtype), offsets
 
 
+def _check_unique(name: str, position: np.ndarray, index: np.ndarray) -> None:
+    """A ``SQLError`` naming the first element whose (flat) ``position`` is given twice."""
+    order = np.argsort(position, kind="stable")
+    repeated = np.flatnonzero(np.diff(position[order]) == 0)
+    if repeated.size:
+        first = order[repeated[0]]
+        times = int((position == position[first]).sum())
+        where = tuple(int(i) for i in index[first])
+        raise SQLError(f"{name}(): element {where} is given {times} times "
+                       f"(pass duplicates => 'sum' to add repeated elements up)")
+
+
 @implements("random_tile")
 def random_tiles(meta_col, keys_col) -> pa.Array:
     """``tra_random_tile(meta, key)``: the tile at ``key``, drawn from a generator seeded
@@ -134,8 +146,10 @@ def random_tiles(meta_col, keys_col) -> pa.Array:
 @implements("pack_tile")
 def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     """``tra_pack_tile(meta, key, list(index), list(value))``: one tile per group from its
-    elements; absent elements are zero and repeated indices add up."""
-    name, dtype, sizes, tiles = _geometry(_read_meta(meta_col, "tra_pack_tile"))
+    elements; absent elements are zero, repeated indices add up (an error if ``meta.unique``)
+    and a NULL value is an error."""
+    meta = _read_meta(meta_col, "tra_pack_tile")
+    name, dtype, sizes, tiles = _geometry(meta)
     rank = len(sizes)
     keys = key_matrix(keys_col, rank)
     starts, flat_index = list_views(index_col)
@@ -153,7 +167,12 @@ def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     strides = np.ones_like(shapes)
     for d in range(rank - 2, -1, -1):
         strides[:, d] = strides[:, d + 1] * shapes[:, d + 1]
+    if flat_values.null_count:
+        where = tuple(int(i) for i in index[int(np.argmax(flat_values.is_null().to_numpy(zero_copy_only=False)))])
+        raise SQLError(f"{name}(): element {where} has a NULL value (pass nulls => 'skip' to leave such rows out)")
     buf, offsets = _tile_buffer(shapes, dtype)
-    values = _values(name, flat_values, dtype)
-    np.add.at(buf, offsets[row] + (local * strides[row]).sum(axis=1), values)
+    position = offsets[row] + (local * strides[row]).sum(axis=1)
+    if meta.unique:
+        _check_unique(name, position, index)
+    np.add.at(buf, position, _values(name, flat_values, dtype))
     return binary_array(buf.view(np.uint8), offsets * dtype.itemsize)

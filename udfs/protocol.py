@@ -181,7 +181,8 @@ class FillStep(Literal):
 class TileGeometry(Literal):
     """The tiles an element-level function writes (``tra_random_tile``, ``tra_pack_tile``,
     ``tra_pack_csr``): of tensor ``name`` (for errors), ``dtype``, ``shape``, tiled ``tile``;
-    random tiles also have their ``seed`` and ``dist`` (``uniform`` or ``normal``)."""
+    random tiles also have their ``seed`` and ``dist`` (``uniform`` or ``normal``); packed
+    tiles whose elements must be ``unique`` refuse a repeated index (else they add up)."""
 
     name: str
     dtype: str
@@ -189,6 +190,7 @@ class TileGeometry(Literal):
     tile: tuple[int, ...]
     seed: int | None = None
     dist: str | None = None
+    unique: bool = False
 
 
 def _pairs(count: int) -> tuple[str, ...]:

@@ -1,49 +1,30 @@
-"""The tensor extension of SQL: einsum and friends as table functions, CREATE/DROP TENSOR.
+"""The tensor extension of SQL (the reference: docs/sql.md). Statements are DuckDB SQL plus::
 
-Statements are DuckDB SQL plus the following (options are named arguments, written
-``name => value`` or ``name := value``; quote ``"join"``, it is a keyword)::
-
-    SELECT ... FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 + x1'] [, agg => 'max']) [AS e]
-    SELECT ... FROM grad(<loss>, <W>)                   -- d loss / d W, itself a tensor relation
-    SELECT ... FROM tra_random(shape => [4, 3] [, tile => [2, 2]] [, seed => 0]
-                               [, dtype => 'float64'] [, dist => 'uniform' | 'normal'])
-    SELECT ... FROM tra_from_elements(<table> | (<query>), shape => [4, 3]
-                                      [, tile => [2, 2]] [, dtype => 'float64'])
-    SELECT ... FROM tra_elements(<tensor>)               -- one row per element: i0, ..., value
-    SELECT ... FROM tra_check([repair => true])          -- catalog drift and corrupt tiles
-    CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT * FROM <tensor> [WHERE <keys>]
-    DROP TENSOR [IF EXISTS] name
+    SELECT ... FROM einsum('ij,jk->ik', A, B [, "join" => 'x0 + x1'] [, agg => 'max'])
+    SELECT ... FROM grad(<loss>, <W>)
+    SELECT ... FROM tra_random(shape => [..] [, tile, seed, dtype, dist])
+    SELECT ... FROM tra_from_elements(<table> | (<query>), shape => [..] [, tile, dtype, nulls, duplicates])
+    SELECT ... FROM tra_relation(<table>, keys => [..] [, value, shape, tile, dtype, layout, sum_duplicates])
+    SELECT ... FROM tra_elements(<tensor>) | tra_plan(<tensor> [, workers, memory, format])
+                  | tra_check([repair => true])
+    CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name [WITH (shape := [..], tile, dtype, layout)] AS <query>
+    CREATE [OR REPLACE] TENSOR VIEW name AS SELECT * FROM <tensor>     -- evaluated where read
+    CREATE [OR REPLACE] PARAMETER name WITH (shape := [..] [, init, seed, tile, dtype, scale])
+    TRAIN [STEP] <loss> PARAMETERS W [, ...] [WITH (optimizer, lr, epochs, run, ...)]
+    DROP TENSOR [VIEW] [IF EXISTS] name
     EXPLAIN <statement>        -- the rewritten SQL (EXPLAIN ANALYZE: DuckDB's, on the rewrite)
 
-- A *tensor* (an einsum operand, the argument of ``tra_elements``, the source of CREATE
-  TENSOR) is a stored tensor's name (identifier or string; case-insensitive) or a nested
-  ``einsum(...)``, ``tra_random(...)`` or ``tra_from_elements(...)``.
-- Those three in FROM are tensor relations (keys ``k0..``, BLOB ``tile``), rewritten into
-  a subquery: they join, filter and nest in CTEs like any table.
-- ``tra_random`` draws each tile from a generator seeded with (seed, tile key): values
-  depend on the seed and the tiling. ``tra_from_elements`` reads the first rank columns
-  of its relation as indices and the next as the value; absent elements are zeros,
-  repeated ones add up, NULL values are skipped, an index outside the shape is a ShapeError.
-- ``tra_elements`` gives the elements of the tiles present (absent tiles are zeros and
-  give no rows), ``value`` in the tensor's SQL type (integers exact).
-- CREATE TENSOR stores exactly ``SELECT * FROM <tensor>``, optionally with a WHERE that
-  tests only the keys: shape, tile and dtype are the tensor's; filtered-out tiles are
-  absent, i.e. zeros. It may read the tensor it replaces. Table and catalog row are
-  written in one transaction (so not inside the user's own ``BEGIN``).
-- Statements without tensor syntax go to DuckDB unchanged. A SELECT's result is DuckDB's
-  lazy relation: errors raised in tile functions while reading it are DuckDB's errors.
-- A statement that runs first checks the sizes it knows (``tra_sql.budget``): a ``tra_random``
-  or a tile the session cannot hold is a ``MemoryBudgetError`` before anything is allocated
-  (EXPLAIN, which runs nothing, still shows it).
-
-Scalar functions registered on the connection: ``tra_tile_values(tile, dtype)`` (DOUBLE[])
-and ``tra_tile_ints(tile, dtype)`` (BIGINT[]) give a tile's elements in C order;
-``tra_random_tile`` and ``tra_pack_tile`` serve the rewrites above (all in ``tra_sql.udfs.elements``).
+A *tensor* (an operand) is a stored tensor's or tensor view's name or a nested tensor function
+(``einsum``, ``grad``, ``tra_random``, ``tra_from_elements``, ``tra_relation``), which in FROM
+is a relation (keys ``k0..``, BLOB ``tile``) rewritten into a subquery. Statements without
+tensor syntax go to DuckDB unchanged; a statement that runs first checks the sizes it knows
+(``tra_sql.budget``). Scalar functions: ``tra_tile_values(tile, dtype)``, ``tra_tile_ints``.
 
 Modules: ``statements`` (tokens, statements, their kinds), ``syntax`` (literal arguments,
 options, SQL pieces), ``functions`` (each table function's meaning), ``rewrite`` (a
-statement's tensor syntax into SQL), ``ddl`` (CREATE/DROP TENSOR), ``blame`` (errors naming
-their statement), ``runner`` (``Frontend``: scripts run or explained on DuckDB).
+statement's tensor syntax into SQL), ``ddl`` (CREATE/DROP TENSOR), ``query_tensor`` (CREATE
+TENSOR over any query of tiles), ``tensor_views`` and ``training`` (views, parameters, TRAIN),
+``blame`` (errors naming their statement), ``runner`` (``Frontend``: scripts run or explained).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ name``: done, or described (the SQL they stand for) when only shown."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import duckdb
@@ -13,22 +13,29 @@ from sqlglot.tokens import TokenType
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import SQLError, UnknownTensorError
+from tra_sql.frontend import query_tensor, tensor_views
 from tra_sql.frontend.blame import engine_error
 from tra_sql.frontend.rewrite import Rewriter
 from tra_sql.frontend.statements import Statement
+from tra_sql.frontend.syntax import OPTIONS, shown
 
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
 
+USAGE = "write CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name [WITH (shape := [...], ...)] AS <query>"
+
+
 @dataclass(frozen=True)
 class CreateTensor:
-    """What a ``CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS <select>`` asks for."""
+    """What a ``CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name [WITH (options)] AS <query>``
+    asks for."""
 
     name: str
     replace: bool
     if_not_exists: bool
     select: str
+    options: dict = field(default_factory=dict)
 
     @staticmethod
     def of(statement: Statement) -> CreateTensor:
@@ -36,10 +43,14 @@ class CreateTensor:
         replace = i == 4
         exists = statement.words(i, 3) == ["IF", "NOT", "EXISTS"]
         i += 3 if exists else 0
-        if i + 1 >= len(tokens) or tokens[i].token_type not in (TokenType.VAR, TokenType.IDENTIFIER) \
-                or statement.words(i + 1, 1) != ["AS"]:
-            raise SQLError("write CREATE [OR REPLACE] TENSOR [IF NOT EXISTS] name AS SELECT ...")
-        return CreateTensor(catalog.check_name(tokens[i].text), replace, exists, statement.rest(i + 1))
+        if i + 1 >= len(tokens) or tokens[i].token_type not in (TokenType.VAR, TokenType.IDENTIFIER):
+            raise SQLError(USAGE)
+        name, options, at = catalog.check_name(tokens[i].text), {}, i + 1
+        if statement.words(at, 1) == ["WITH"] and statement.words(at + 1, 1) == ["("]:
+            options, at = statement.options(at + 1, "CREATE TENSOR", OPTIONS["tensor"])
+        if statement.words(at, 1) != ["AS"]:
+            raise SQLError(USAGE)
+        return CreateTensor(name, replace, exists, statement.rest(at), options)
 
     def skipped(self, session: Session, table_exists: bool) -> bool:
         """Whether there is nothing to do (IF NOT EXISTS, and the tensor is there), given
@@ -54,11 +65,18 @@ class CreateTensor:
 
 
 def create_tensor(session: Session, statement: Statement, run: bool) -> str | None:
-    """Create the tensor (``run``) or give the SQL that would."""
+    """Create the tensor (``run``) or give the SQL that would: ``SELECT * FROM <tensor>
+    [WHERE <keys>]`` (without options) stores the tensor's tiles; any other query is checked
+    (``query_tensor``)."""
     create = CreateTensor.of(statement)
     name, replace = create.name, create.replace
+    tensor_views.check_free(session, name)
     rewriter = Rewriter(session, run)
-    tensor, query = rewriter.source(rewriter.parse(create.select))
+    tree = rewriter.parse(create.select)
+    found = None if create.options else rewriter.narrow(tree)
+    if found is None:
+        return _create_checked(session, statement, create, rewriter, tree, run)
+    tensor, query = found
     info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
     sql = query.sql(dialect="duckdb", pretty=not run)
     if not run:
@@ -71,6 +89,29 @@ def create_tensor(session: Session, statement: Statement, run: bool) -> str | No
             _create_via_temp(session, info, sql, replace)
         else:
             session.engine.create_table(info, sql, replace)
+    except duckdb.Error as err:
+        raise engine_error(err, statement.where()) from err
+    return None
+
+
+def _create_checked(session: Session, statement: Statement, create: CreateTensor, rewriter: Rewriter,
+                    tree: exp.Expression, run: bool) -> str | None:
+    """CREATE TENSOR over any query of tiles: geometry from the options and the tensors read,
+    rows checked before they are stored."""
+    if not isinstance(tree, exp.Query):
+        raise SQLError(f"CREATE TENSOR {create.name}: AS needs a query, got {shown(tree)}")
+    query = rewriter.rewrite(tree)
+    info = query_tensor.geometry(create.name, create.options, query_tensor.lineage(rewriter, tree))
+    select = query_tensor.tiles_query(session, info, query)
+    if not run:
+        return (f"-- tensor {info.name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}, layout "
+                f"{info.layout}; rows checked (keys in the grid and unique, tile sizes) before they are stored\n"
+                f'CREATE {"OR REPLACE " if create.replace else ""}TABLE "{info.name}" AS\n'
+                f"{select.sql(dialect='duckdb', pretty=True)}")
+    if create.skipped(session, session.engine.object_kind(info.name) == "TABLE"):
+        return None
+    try:
+        query_tensor.store_checked(session, info, select, create.replace)
     except duckdb.Error as err:
         raise engine_error(err, statement.where()) from err
     return None

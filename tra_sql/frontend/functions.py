@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 from sqlglot import exp
 
-from tra_sql import absent, budget, catalog
+from tra_sql import absent, autodiff, budget, catalog, relations
 from tra_sql.catalog import TensorInfo
 from tra_sql.errors import DTypeError, SpecError, SQLError
 from tra_sql.frontend.syntax import (
@@ -16,6 +17,8 @@ from tra_sql.frontend.syntax import (
     aliased,
     arguments,
     array,
+    bool_literal,
+    choice,
     dtype_named,
     int_literal,
     ints_literal,
@@ -23,6 +26,7 @@ from tra_sql.frontend.syntax import (
     shown,
     sql_call,
     string_literal,
+    strings_literal,
     tile_position,
 )
 from tra_sql.graph import Source
@@ -70,7 +74,13 @@ class TensorFunctions:
         if len(args) != 2:
             raise SpecError("grad() takes two tensors: grad(loss, W)")
         loss, wrt = (self.tensor(a) for a in args)
-        return self.session.grad(loss, wrt)
+        return Tensor(self.session, autodiff.gradients(loss.node, [wrt.node], self.gradient_context())[0])
+
+    def gradient_context(self) -> autodiff.Context:
+        """``Session.gradient_context``, told about the statement's literals (as ``completeness``)."""
+        stored = self.session.gradient_context()
+        return autodiff.Context(lambda source: self.complete[source.table] if source.table in self.complete
+                                else stored.source_dense(source), stored.eye)
 
     def _geometry(self, fname: str, args, options, dtype: str) -> TensorInfo:
         if "shape" in options and args:
@@ -114,21 +124,34 @@ class TensorFunctions:
         return self._literal(info, select, complete=True)
 
     def _tra_from_elements(self, call: exp.Anonymous) -> Tensor:
+        """``tra_from_elements(rows, shape => [..])``: a tensor from rows (i0, .., value); a
+        NULL value or a repeated index is an error unless ``nulls => 'skip'`` (leave those
+        rows out) or ``duplicates => 'sum'`` (add them up); the dtype defaults to float32 for
+        a FLOAT value column, float64 for any other."""
         args, options = arguments(call)
         if not args or len(args) > 2:
             raise SpecError("tra_from_elements() takes a table or (query) of elements, then shape => [...]")
         source, args = args[0], args[1:]
-        info = self._geometry("tra_from_elements", args, options, "float64")
-        if self.run:
-            budget.check_tile(budget.Budget.of(self.session), "tra_from_elements()", info.tile, info.dtype)
-        rank = len(info.shape)
-        columns = [f"i{d}" for d in range(rank)] + ["value"]
+        nulls = choice(options, "nulls", ("error", "skip"))
+        duplicates = choice(options, "duplicates", ("error", "sum"))
         if isinstance(source, exp.Subquery):
             relation: exp.Expression = self.rewrite(source.this)
         elif isinstance(source, exp.Column):
             relation = exp.to_table(source.sql(dialect="duckdb"), dialect="duckdb")
         else:
             raise SQLError(f"tra_from_elements(): {shown(source)} is not a table name or a (query)")
+        schema = self._schema(relation)
+        value_type = schema.field(len(schema) - 1).type if len(schema) else None
+        default = "float32" if value_type == pa.float32() else "float64"
+        info = self._geometry("tra_from_elements", args, options, default)
+        rank = len(info.shape)
+        if len(schema) != rank + 1:
+            raise SQLError(f"tra_from_elements(): the elements of a rank-{rank} tensor are rows of "
+                           f"{rank + 1} columns (indices, then the value), got {len(schema)}: "
+                           f"{', '.join(schema.names)}")
+        if self.run:
+            budget.check_tile(budget.Budget.of(self.session), "tra_from_elements()", info.tile, info.dtype)
+        columns = [f"i{d}" for d in range(rank)] + ["value"]
         keys = [exp.column(f"k{d}") for d in range(rank)]
         inner = exp.select(
             *[exp.alias_(exp.cast(exp.IntDiv(this=exp.cast(exp.column(c, "e"), "BIGINT"),
@@ -136,14 +159,48 @@ class TensorFunctions:
               for d, (c, t) in enumerate(zip(columns, info.tile))],
             *[exp.alias_(exp.cast(exp.column(c, "e"), "BIGINT"), c) for c in columns[:-1]],
             exp.alias_(exp.cast(exp.column("value", "e"), "DOUBLE"), "value"),
-        ).from_(aliased(relation, "e", columns)).where(exp.column("value", "e").is_(exp.null()).not_())
+        ).from_(aliased(relation, "e", columns))
+        if nulls == "skip":
+            inner = inner.where(exp.column("value", "e").is_(exp.null()).not_())
         pack = sql_call(protocol.PACK_TILE.name, json_literal(name="tra_from_elements", dtype=info.dtype.name,
-                                                      shape=info.shape, tile=info.tile),
+                                                              shape=info.shape, tile=info.tile,
+                                                              unique=duplicates == "error"),
                         array([k.copy() for k in keys]),
                         exp.ArrayAgg(this=array([exp.column(c) for c in columns[:-1]])),
                         exp.ArrayAgg(this=exp.column("value")))
         select = exp.select(*keys, exp.alias_(pack, "tile")).from_(aliased(inner, "e"))
         return self._literal(info, select.group_by(*[k.copy() for k in keys]) if keys else select, complete=False)
+
+    def _schema(self, relation: exp.Expression) -> pa.Schema:
+        """The columns of ``relation`` (a table or a query), read with LIMIT 0."""
+        query = exp.select("*").from_(aliased(relation.copy(), "_s")).limit(0)
+        return self.session.engine.arrow(query.sql(dialect=self.session.engine.dialect)).schema
+
+    def _tra_relation(self, call: exp.Anonymous) -> Tensor:
+        """``tra_relation(table, keys => [..] [, value => 'col'] [, shape, tile, dtype, layout,
+        sum_duplicates])``: the rows of ``table`` as the nonzeros of a tensor (``db.relation``'s
+        view, read where the statement uses it: nothing is copied or stored)."""
+        args, options = arguments(call)
+        if len(args) != 1 or "keys" not in options:
+            raise SpecError("tra_relation() takes a table, then keys => ['col', ...]: "
+                            "tra_relation(edges, keys => ['src', 'dst'], value => 'w')")
+        table = args[0]
+        if isinstance(table, exp.Literal) and table.is_string:
+            name = table.this
+        elif isinstance(table, exp.Column) and not table.table:
+            name = table.name
+        else:
+            raise SQLError(f"tra_relation(): {shown(table)} is not a table name")
+        value = options.get("value")
+        given = {key: parse(options[key], key) for key, parse in (
+            ("shape", ints_literal), ("tile", ints_literal), ("dtype", string_literal), ("layout", string_literal),
+            ("sum_duplicates", bool_literal)) if key in options}
+        info, select = relations.relation_query(
+            self.session, name, strings_literal(options["keys"], "keys"),
+            None if value is None or isinstance(value, exp.Null) else string_literal(value, "value"),
+            name=f"_tra_relation_{next(self.counter)}", **given)
+        relations.ensure_udfs(self.session)
+        return self._literal(info, select, complete=False)
 
     def elements(self, call: exp.Anonymous) -> exp.Select:
         """``tra_elements(t)``: one row per element of the tiles present, (i0, ..., value)."""
@@ -174,6 +231,20 @@ class TensorFunctions:
                    for d, (k, t) in enumerate(zip(keys, tensor.tile))]
         value = exp.alias_(exp.cast(exp.column("value"), SQL_TYPES[dtype.name]), "value")
         return exp.select(*indices, value).from_(aliased(flat, "_u"))
+
+    def plan(self, call: exp.Anonymous) -> exp.Select:
+        """``tra_plan(t [, workers => 4] [, memory => '1GB'] [, format => 'text'])``: the
+        planner's plan for computing ``t`` (``Session.plan(...).explain(format)``), a row per line."""
+        args, options = arguments(call)
+        if len(args) != 1:
+            raise SQLError("tra_plan() takes one tensor: tra_plan(einsum(...) [, workers => 4])")
+        tensor = self.tensor(args[0])
+        workers = int_literal(options["workers"], "workers") if "workers" in options else None
+        memory = string_literal(options["memory"], "memory") if "memory" in options else None
+        fmt = string_literal(options["format"], "format") if "format" in options else "text"
+        text = self.session.plan(tensor, workers, memory).explain(fmt)
+        lines = sql_call("string_split", exp.Literal.string(text), exp.Literal.string("\n"))
+        return exp.select(exp.alias_(sql_call("unnest", lines), "plan"))
 
     def check(self, call: exp.Anonymous) -> exp.Select:
         """``tra_check([repair => true])``: ``Session.check``'s findings as rows (tensor,

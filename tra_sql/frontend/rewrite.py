@@ -13,6 +13,7 @@ from sqlglot import exp
 
 from tra_sql import budget
 from tra_sql.errors import SQLError, TraError, UnknownTensorError
+from tra_sql.frontend import tensor_views
 from tra_sql.frontend.blame import with_context
 from tra_sql.frontend.functions import TensorFunctions
 from tra_sql.frontend.statements import FUNCTIONS, TENSOR_FUNCTIONS
@@ -23,7 +24,8 @@ from tra_sql.tensor import Tensor
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
-USAGE_CREATE = ("CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(...), "
+RELATIONS = {"tra_elements": "elements", "tra_check": "check", "tra_plan": "plan"}  # the other functions
+USAGE_CREATE = ("this CREATE TENSOR needs AS SELECT * FROM einsum(...), tra_random(...), "
                 "tra_from_elements(...) or a stored tensor, optionally with WHERE on the keys k0..")
 
 
@@ -33,6 +35,9 @@ class Rewriter(TensorFunctions):
     def __init__(self, session: Session, run: bool = False):
         super().__init__(session, run)
         self.named: dict[str, Tensor] = {}  # one node per stored tensor: grad() follows identity
+        self.read: list[Tensor] = []  # the tensors that tensor functions in FROM stand for
+        self.views = tensor_views.definitions(session)
+        self.resolving: list[str] = []  # the tensor views being evaluated (a cycle is an error)
 
     @contextmanager
     def blame(self, call: exp.Expression) -> Iterator[None]:
@@ -68,11 +73,31 @@ class Rewriter(TensorFunctions):
                        f"({', '.join(TENSOR_FUNCTIONS)})")
 
     def stored(self, name: str) -> Tensor:
-        """The stored tensor ``name`` (case-insensitive, like DuckDB's identifiers); the same
-        Tensor each time it is named in the statement."""
+        """The stored tensor or tensor view ``name`` (case-insensitive, like DuckDB's
+        identifiers); the same Tensor each time it is named in the statement."""
         if name.lower() not in self.named:
-            self.named[name.lower()] = self._lookup(name)
+            self.named[name.lower()] = self.view(name) if name.lower() in self.views else self._lookup(name)
         return self.named[name.lower()]
+
+    def view(self, name: str) -> Tensor:
+        """Tensor view ``name``: its definition evaluated now."""
+        view, text = self.views[name.lower()]
+        if view.lower() in self.resolving:
+            raise SQLError(f"tensor view '{view}' reads itself ({' -> '.join([*self.resolving, view.lower()])})")
+        self.resolving.append(view.lower())
+        try:
+            with self.blame(exp.to_identifier(view)):
+                return self.defined(self.parse(text))
+        finally:
+            self.resolving.pop()
+
+    def defined(self, tree: exp.Expression) -> Tensor:
+        """The tensor of a tensor view's definition, ``SELECT * FROM <tensor>``."""
+        found = self.narrow(tree, tiles=False)
+        if found is None or tree.args.get("where"):
+            raise SQLError(f"a tensor view is defined as SELECT * FROM <tensor> (a tensor function or a stored "
+                           f"tensor or view), got {shown(tree)}")
+        return found[0]
 
     def _lookup(self, name: str) -> Tensor:
         try:
@@ -104,16 +129,26 @@ class Rewriter(TensorFunctions):
         return select
 
     def rewrite(self, tree: exp.Expression) -> exp.Expression:
-        """``tree`` with every tensor function in FROM replaced by its relational SQL."""
+        """``tree`` with every tensor function and tensor view in FROM replaced by its relational SQL."""
+        ctes = {cte.alias.lower() for cte in tree.find_all(exp.CTE)}
+
         def visit(node: exp.Expression) -> exp.Expression:
             if isinstance(node, exp.Table) and isinstance(node.this, exp.Anonymous) \
                     and function_name(node.this) in FUNCTIONS:
                 call = node.this
                 with self.blame(call):
-                    select = self.elements(call) if function_name(call) == "tra_elements" else \
-                        self.check(call) if function_name(call) == "tra_check" else self.query(self.tensor(call))
+                    if function_name(call) in TENSOR_FUNCTIONS:
+                        self.read.append(self.tensor(call))
+                        select = self.query(self.read[-1])
+                    else:
+                        select = getattr(self, RELATIONS[function_name(call)])(call)
                 alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(function_name(call)))
                 return exp.Subquery(this=select, alias=alias.copy())
+            if isinstance(node, exp.Table) and isinstance(node.this, exp.Identifier) and not node.args.get("db") \
+                    and node.name.lower() in self.views and node.name.lower() not in ctes:
+                self.read.append(self.stored(node.name))
+                alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(node.name))
+                return exp.Subquery(this=self.query(self.read[-1]), alias=alias.copy())
             return node
 
         out = tree.transform(visit)
@@ -124,34 +159,53 @@ class Rewriter(TensorFunctions):
 
     # CREATE TENSOR
     def source(self, select: exp.Expression) -> tuple[Tensor, exp.Select]:
-        """The tensor a CREATE TENSOR query stores, and the query computing its tiles."""
+        """The tensor a CREATE TENSOR ``SELECT * FROM <tensor> [WHERE <keys>]`` stores, and
+        the query computing its tiles (an SQLError for any other query)."""
+        found = self.narrow(select)
+        if found is None:
+            raise SQLError(f"{USAGE_CREATE}; got {shown(select)}")
+        return found
+
+    def narrow(self, select: exp.Expression, tiles: bool = True) -> tuple[Tensor, exp.Select | None] | None:
+        """For ``SELECT * FROM <tensor> [WHERE <tests of the keys only>]``, the tensor and
+        (with ``tiles``) its tiles' query (the tensor's geometry is the result's); else None."""
         if not isinstance(select, exp.Select) or not select.args.get("from_"):
-            raise SQLError(USAGE_CREATE)
+            return None
         extra = [k for k, v in select.args.items() if v and k not in ("expressions", "from_", "where")]
         star = select.expressions
         if extra or len(star) != 1 or not isinstance(star[0], exp.Star) or any(star[0].args.values()):
-            raise SQLError(f"{USAGE_CREATE}; got {shown(select)}")
+            return None
         table = select.args["from_"].this
         if isinstance(table, exp.Table) and isinstance(table.this, exp.Anonymous) \
                 and function_name(table.this) in TENSOR_FUNCTIONS:
             tensor, default = self.tensor(table.this), function_name(table.this)
-        elif isinstance(table, exp.Table) and isinstance(table.this, exp.Identifier) and not table.args.get("db"):
+        elif isinstance(table, exp.Table) and isinstance(table.this, exp.Identifier) and not table.args.get("db") \
+                and (self.is_tensor(table.name) or table.name.lower() in FUNCTIONS):
             tensor, default = self.stored(table.name), table.name
         else:
-            raise SQLError(f"{USAGE_CREATE}; got FROM {shown(table)}")
-        query = self.query(tensor)
+            return None
         where = select.args.get("where")
+        alias = table.alias or default
+        if where is not None and not all(self._key_column(c, select, alias, tensor.ndim)
+                                         for c in where.find_all(exp.Column)):
+            return None
+        if not tiles:
+            return tensor, None
+        query = self.query(tensor)
         if where is None:
             return tensor, query
-        alias = table.alias or default
-        for column in where.find_all(exp.Column):
-            if column.find_ancestor(exp.Select) is not select:
-                continue
-            match = re.fullmatch(r"k(\d+)", column.name)
-            if not match or int(match.group(1)) >= tensor.ndim or column.table not in ("", alias):
-                keys = ", ".join(f"k{d}" for d in range(tensor.ndim)) or "none"
-                raise SQLError(f"the WHERE of CREATE TENSOR may test only the keys ({keys}), "
-                               f"not {shown(column)}")
-        filtered = exp.select("*").from_(aliased(query, alias)).where(self.rewrite(where.this))
-        return tensor, filtered
+        return tensor, exp.select("*").from_(aliased(query, alias)).where(self.rewrite(where.this))
 
+    @staticmethod
+    def _key_column(column: exp.Column, select: exp.Select, alias: str, rank: int) -> bool:
+        """Whether ``column`` (in a WHERE of ``select``) is a key of the tensor read as ``alias``
+        (or belongs to a subquery)."""
+        if column.find_ancestor(exp.Select) is not select:
+            return True
+        match = re.fullmatch(r"k(\d+)", column.name)
+        return bool(match) and int(match.group(1)) < rank and column.table in ("", alias)
+
+    def is_tensor(self, name: str) -> bool:
+        """Whether ``name`` names a stored tensor or a tensor view (case-insensitive)."""
+        return name.lower() in self.named or name.lower() in self.views \
+            or name.lower() in (n.lower() for n in self.session.tensors())

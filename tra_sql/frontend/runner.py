@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import duckdb
 from sqlglot import exp
 
+from tra_sql.frontend import tensor_views, training
 from tra_sql.frontend.blame import blamed, engine_error
 from tra_sql.frontend.ddl import create_tensor, drop_tensor
 from tra_sql.frontend.rewrite import Rewriter
@@ -18,18 +19,23 @@ from tra_sql.udfs import protocol
 if TYPE_CHECKING:
     from tra_sql.session import Session
 
+#: statement kind -> its function (session, statement, run): done when run, else described
+TRAINING = {"view": training.create_view, "drop view": training.drop_view,
+            "parameter": training.create_parameter, "train": training.train}
+
 
 class Frontend:
     """Runs and explains the statements of scripts on ``session``."""
 
     def __init__(self, session: Session):
         self.session = session
+        self._views: set[str] | None = None  # lower-case tensor view names, read once (a view statement resets)
 
     # -- scripts and statements -----------------------------------------------------------
     def run(self, text: str, params=None, *, cursor: bool = False):
         """Run every statement of ``text``; the last one's result (see ``Session.sql``)."""
         self.prepare()
-        if not is_extended(text):
+        if not is_extended(text) and not self.views():
             return self.plain(text, params, cursor, "statement")
         statements = split_statements(text)
         result = None
@@ -44,17 +50,33 @@ class Frontend:
         with blamed(statement):
             return self._run_one(statement, params, cursor)
 
-    def _run_one(self, statement: Statement, params, cursor: bool):
+    def views(self) -> set[str]:
+        """The lower-case names of the tensor views."""
+        if self._views is None:
+            self._views = set(tensor_views.definitions(self.session))
+        return self._views
+
+    def kind(self, statement: Statement) -> str:
+        """``statement.kind``, where a statement that names a tensor view is ``tensor``."""
         kind = statement.kind
+        if kind == "plain" and statement.names(self.views()):
+            return "tensor"
+        return kind
+
+    def _run_one(self, statement: Statement, params, cursor: bool):
+        kind = self.kind(statement)
         if kind == "explain":
             inner = explained(statement)
-            if inner.kind == "plain":
+            if self.kind(inner) == "plain":
                 return self.plain(statement.text, params, cursor, statement.where())
             return self.explained(statement, inner, params, cursor)
         if kind == "create":
             return self.create(statement)
         if kind == "drop":
             return drop_tensor(self.session, statement, run=True)
+        if kind in TRAINING:
+            self._views = None
+            return TRAINING[kind](self.session, statement, True)
         if kind == "plain":
             return self.plain(statement.text, params, cursor, statement.where())
         return self.select(statement, params, cursor)
@@ -74,7 +96,7 @@ class Frontend:
             return None
         with blamed(statement):
             inner = explained(statement)
-            return None if inner.kind == "plain" else f"{self.describe(inner)};"
+            return None if self.kind(inner) == "plain" else f"{self.describe(inner)};"
 
     # -- what the engine does (DuckDB here) -----------------------------------------------
     def prepare(self) -> None:
@@ -105,11 +127,13 @@ class Frontend:
 
     def describe(self, statement: Statement) -> str | None:
         """The SQL DuckDB runs for ``statement`` (CREATE/DROP TENSOR: the SQL they stand for)."""
-        kind = statement.kind
+        kind = self.kind(statement)
         if kind == "create":
             return create_tensor(self.session, statement, run=False)
         if kind == "drop":
             return drop_tensor(self.session, statement, run=False)
+        if kind in TRAINING:
+            return TRAINING[kind](self.session, statement, False)
         if kind == "explain":
             return self.describe(explained(statement))
         if kind == "plain":
@@ -119,7 +143,7 @@ class Frontend:
     def explained(self, statement: Statement, inner: Statement, params, cursor: bool):
         """The result of ``EXPLAIN [ANALYZE] inner`` for an ``inner`` with tensor syntax:
         DuckDB's EXPLAIN ANALYZE of the rewrite, else the rewritten SQL as one row."""
-        if statement.analyze and inner.kind == "tensor":
+        if statement.analyze and self.kind(inner) == "tensor":
             return self.plain("EXPLAIN ANALYZE " + self.rewritten(inner, run=True), params, cursor,
                               statement.where())
         text = self.describe(inner)

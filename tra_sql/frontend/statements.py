@@ -10,10 +10,11 @@ from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import Token, TokenType
 
 from tra_sql.errors import SQLError
+from tra_sql.frontend.syntax import options_text
 
 DIALECT = Dialect.get_or_raise("duckdb")
-TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements")
-FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check")
+TENSOR_FUNCTIONS = ("einsum", "grad", "tra_random", "tra_from_elements", "tra_relation")
+FUNCTIONS = TENSOR_FUNCTIONS + ("tra_elements", "tra_check", "tra_plan")
 
 
 @dataclass(frozen=True)
@@ -34,22 +35,47 @@ class Statement:
 
     @property
     def kind(self) -> str:
-        """create, drop, explain, tensor (calls a tensor function) or plain."""
-        head = self.words(0, 4)
-        if head[0] == "CREATE" and (head[1] == "TENSOR" or head[1:] == ["OR", "REPLACE", "TENSOR"]):
-            return "create"
+        """create, view (CREATE TENSOR VIEW), parameter, drop, drop view, train, explain,
+        tensor (calls a tensor function) or plain."""
+        head = self.words(0, 6)
+        if head[0] == "CREATE":
+            at = 3 if head[1:3] == ["OR", "REPLACE"] else 1
+            if head[at] == "TENSOR":
+                view = head[at + 1] == "VIEW" and len(self.tokens) > at + 2 and head[at + 2] not in ("AS", "WITH")
+                return "view" if view else "create"
+            if head[at] == "PARAMETER":
+                return "parameter"
         if head[:2] == ["DROP", "TENSOR"]:
-            return "drop"
+            return "drop view" if head[2] == "VIEW" and len(self.tokens) > 3 else "drop"
+        if head[0] == "TRAIN":
+            return "train"
         if head[0] == "EXPLAIN":
             return "explain"
         calls = any(t.token_type == TokenType.VAR and t.text.lower() in FUNCTIONS and
                     n.token_type == TokenType.L_PAREN for t, n in zip(self.tokens, self.tokens[1:]))
         return "tensor" if calls else "plain"
 
+    def names(self, names: set[str]) -> bool:
+        """Whether a name (identifier) of ``names`` (lower case) occurs in the statement."""
+        return any(t.token_type in (TokenType.VAR, TokenType.IDENTIFIER) and t.text.lower() in names
+                   for t in self.tokens)
+
     @property
     def analyze(self) -> bool:
         """Whether this is ``EXPLAIN ANALYZE ...``."""
         return bool(re.match(r"EXPLAIN\s+ANALYZE\b", self.text, re.I))
+
+    def options(self, paren: int, what: str, allowed: tuple[str, ...]) -> tuple[dict, int]:
+        """The options ``(name := value, ...)`` whose ``(`` is token ``paren``, and the number of
+        the token after their ``)``."""
+        depth = 0
+        for j in range(paren, len(self.tokens)):
+            kind = self.tokens[j].token_type
+            depth += (kind == TokenType.L_PAREN) - (kind == TokenType.R_PAREN)
+            if depth == 0:
+                inside = self.text[self.tokens[paren].end + 1 - self.offset : self.tokens[j].start - self.offset]
+                return options_text(inside, what, allowed), j + 1
+        raise SQLError(f"{what}: the options' ( is not closed")
 
     def rest(self, token: int) -> str:
         """The text after token number ``token``."""
