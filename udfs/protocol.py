@@ -214,6 +214,8 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {
     # one output tile per joined row: (keys, tile) of each operand
     "einsum": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # an einsum that is a plain BLAS product of two tiles (``contract.gemm_form``): native where it can be
+    "contract": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # one output tile per group, from its joined rows (fused join + aggregate); then k epilogue operands
     "einsum_agg": Signature(lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), numbered=True),
     # one output tile per group, the aggregate of its rows' partial results; then k epilogue operands
