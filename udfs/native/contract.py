@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cfunc, njit, types
 
+from tra_sql.udfs import cores
 from tra_sql.udfs.contract import gemm_form
+from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import address, blob, i64, put_int, put_text, u8, u64, valid
@@ -21,8 +23,9 @@ from tra_sql.udfs.protocol import EinsumStep
 ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
 # plan header: dtype (0 float32, 1 float64), itemsize, ranks of a and b, trans_a, trans_b, swap,
 # the address of its text (operand names, then the dtype's name) and (offset, length) of each
-# of the three texts; then (size, tile, group) per dimension of a, then of b
-HEADER = 14
+# of the three texts, the address of the kernels' mutex (``cores``); then (size, tile, group)
+# per dimension of a, then of b
+HEADER = 15
 MESSAGE = 512
 
 
@@ -40,13 +43,15 @@ def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
               len(step.inputs[0]), len(step.inputs[1]), form.trans_a, form.trans_b, form.swap, text.ctypes.data]
     for w in range(3):
         header += [int(starts[w]), len(words[w])]
+    header.append(cores.MUTEX)
     return np.array(header + [v for dim in dims for v in dim], dtype=np.int64), text
 
 
 @njit(cache=True)
-def _report(info, plan, which, keys, rank, what, held, need):
+def _report(info, plan, which, keys, rank, what, held, need, extents):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
-    ``held`` bytes instead of ``need`` (1), or has a key outside the tensor's grid (2)."""
+    ``held`` bytes instead of the ``need`` of its ``extents`` (1), or has a key outside the
+    tensor's grid (2)."""
     text = u8(plan[7], plan[8 + 2 * 2] + plan[9 + 2 * 2] + 1)
     out = np.zeros(MESSAGE, np.uint8)
     at = put_text(out, 0, np.frombuffer(b"tra_sql kernel: CorruptTileError: tile (", np.uint8))
@@ -63,7 +68,12 @@ def _report(info, plan, which, keys, rank, what, held, need):
     else:
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
-        at = put_text(out, at, np.frombuffer(b" bytes; its shape and dtype ", np.uint8))
+        at = put_text(out, at, np.frombuffer(b" bytes; its shape (", np.uint8))
+        for d in range(rank):
+            if d:
+                at = put_text(out, at, np.frombuffer(b", ", np.uint8))
+            at = put_int(out, at, extents[d])
+        at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
         at = put_text(out, at, text[plan[12]: plan[12] + plan[13]])
         at = put_text(out, at, np.frombuffer(b" need ", np.uint8))
         at = put_int(out, at, need)
@@ -97,7 +107,7 @@ def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
     keys = children[entry[0]: entry[0] + entry[1]]
     if not valid(C.duckdb_vector_get_validity(keys_vec), row) or entry[1] != rank or \
             not _extents(plan, first, rank, keys, extents):
-        _report(info, plan, which, keys, min(rank, entry[1]), 2, 0, 0)
+        _report(info, plan, which, keys, min(rank, entry[1]), 2, 0, 0, extents)
         return np.uint64(0)
     sizes[:] = 1
     need = plan[1]
@@ -105,11 +115,11 @@ def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
         sizes[plan[first + 3 * d + 2]] *= extents[d]
         need *= extents[d]
     if not valid(C.duckdb_vector_get_validity(tiles_vec), row):
-        _report(info, plan, which, keys, rank, 0, 0, need)
+        _report(info, plan, which, keys, rank, 0, 0, need, extents)
         return np.uint64(0)
     at, held = blob(C.duckdb_vector_get_data(tiles_vec), row)
     if held != need:
-        _report(info, plan, which, keys, rank, 1, held, need)
+        _report(info, plan, which, keys, rank, 1, held, need, extents)
         return np.uint64(0)
     return at
 
@@ -160,5 +170,7 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
             scratch = np.empty(nbytes, np.uint8)
         out = scratch.ctypes.data
         if nbytes:
+            lock(np.uint64(plan[14]))  # BLAS uses every core: one product at a time
             _gemm(plan, a, b, out, batch, m, n, k)
+            unlock(np.uint64(plan[14]))
         C.duckdb_vector_assign_string_element_len(output, row, out, nbytes)
