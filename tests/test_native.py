@@ -18,7 +18,6 @@ from tra_sql.udfs.native import loader
 
 pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
 
-# spec, operand shapes as index sizes
 FORMS = ["ij,jk->ik", "ji,jk->ik", "ij,kj->ik", "ij,jk->ki", "bij,bjk->bik", "ij,j->i", "i,j->ij", "ijk,kl->ijl"]
 
 
@@ -52,7 +51,8 @@ def _run(db, spec, arrays, tilings, tag):
     return result, result.numpy()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(FORMS), dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
 def test_products_equal_numpy_and_the_arrow_path(native, arrow, spec, dtype, data):
     letters = sorted(set(spec) - set(",->"))
