@@ -139,3 +139,52 @@ def test_the_footer_is_duckdbs_534_bytes():
     footer = loader.footer("linux_amd64")
     assert len(footer) == 534 and footer.startswith(b"\x00\x93\x04\x10duckdb_signature\x80\x04")
     assert footer[22 + 7 * 32: 22 + 7 * 32 + 1] == b"4"  # the magic value, the last field
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(agg=st.sampled_from(["sum", "max", "min", "prod"]), dtype=st.sampled_from([np.float32, np.float64]),
+       data=st.data())
+def test_tile_reductions_equal_numpy_and_the_arrow_path(native, arrow, agg, dtype, data):
+    sizes = {c: data.draw(st.integers(1, 8), label=f"size {c}") for c in "ijk"}
+    tiles = {c: data.draw(st.integers(1, sizes[c]), label=f"tile {c}") for c in "ijk"}
+    inputs, arrays, tilings = _operands("ij,jk->ik", sizes, tiles, dtype, np.random.default_rng(3))
+    results = []
+    for db, tag in ((native, "n"), (arrow, "a")):
+        tensors = [db.from_numpy(f"{tag}{m}", a, t, replace=True) for m, (a, t) in enumerate(zip(arrays, tilings))]
+        product = db.einsum("ij,jk->ik", *tensors, agg=agg)
+        sql = product.program().sql().lower()
+        if tiles["j"] < sizes["j"] and "tra_einsum_agg" not in sql:
+            assert f"tra_reduce_{agg}_{np.dtype(dtype).name}(" in sql
+        results.append(product.numpy())
+    products = arrays[0].astype(np.float64)[:, :, None] * arrays[1].astype(np.float64)[None, :, :]
+    expected = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[agg](products, axis=1)
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(results[0], expected, rtol=tol, atol=tol)
+    np.testing.assert_allclose(results[0], results[1], rtol=tol, atol=tol)
+
+
+def test_a_sum_over_many_partials_on_two_threads(native):
+    """130,000 partial products of one output tile: DuckDB aggregates on both threads and
+    combines the states."""
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((2, 130_000)).astype(np.float32), rng.standard_normal((130_000, 2)).astype(np.float32)
+    product = native.einsum("ij,jk->ik", native.from_numpy("wide", x, (2, 1)), native.from_numpy("deep", y, (1, 2)))
+    assert "tra_reduce_sum_float32(" in product.program().sql().lower()
+    np.testing.assert_allclose(product.numpy(), x.astype(np.float64) @ y, rtol=1e-3, atol=1e-2)
+
+
+def test_max_keeps_nan(native):
+    x = np.array([[1.0, np.nan], [2.0, 3.0]])
+    product = native.einsum("ij,jk->ik", native.from_numpy("xn", x, (2, 1), replace=True),
+                            native.from_numpy("yn", np.ones((2, 2)), (1, 2), replace=True), agg="max")
+    np.testing.assert_array_equal(product.numpy(), [[np.nan, np.nan], [3.0, 3.0]])
+
+
+@pytest.mark.parametrize("second, message", [("NULL", "is NULL"),
+                                             ("'\\x01\\x02\\x03\\x04\\x05\\x06\\x07\\x08'::BLOB", "differ in size")])
+def test_bad_partials_raise_in_the_aggregate(native, second, message):
+    sql = (f"SELECT tra_reduce_sum_float32('', [0], t) FROM (VALUES ('\\x01\\x02\\x03\\x04'::BLOB), ({second})) v(t)")
+    with pytest.raises(duckdb.Error, match=f"CorruptTileError: .*{message}"):
+        native.engine.con.execute(sql).fetchall()
+    assert native.engine.con.execute("SELECT 1").fetchall() == [(1,)]

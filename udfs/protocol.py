@@ -238,6 +238,14 @@ SIGNATURES: dict[str, Signature] = {
 }
 
 
+#: (agg, dtype) of the whole-tile reductions: ``reduce_<agg>_<dtype>(meta, keys, tile)``, an
+#: aggregate over a group's partial result tiles (native where it can be; else a macro over
+#: ``tra_reduce`` and ``ARRAY_AGG``)
+TILE_REDUCTIONS = tuple((agg, dtype) for agg in ("sum", "max", "min", "prod") for dtype in ("float32", "float64"))
+for _agg, _dtype in TILE_REDUCTIONS:
+    SIGNATURES[f"reduce_{_agg}_{_dtype}"] = Signature(lambda n, k: (META, KEYS, TILE))
+
+
 def declare(kind: str, signature: Signature) -> None:
     """A new kind of kernel (declared next to its kernel)."""
     if kind in SIGNATURES:
@@ -286,3 +294,11 @@ PACK = Kernel("pack")
 PACK_F32 = Kernel("pack_f32")
 REDUCE_GROUP = Kernel("reduce_group")
 PACKING = (PACK, PACK_F32, PACK_TILE, PACK_CSR)  # what relation views call (tra_sql.relations)
+
+
+def tile_reduction(agg: str, dtype: str) -> Kernel | None:
+    """The whole-tile reduction of ``agg`` over tiles of ``dtype`` (see ``TILE_REDUCTIONS``), or None."""
+    return Kernel(f"reduce_{agg}_{dtype}") if (agg, dtype) in TILE_REDUCTIONS else None
+
+
+REDUCTIONS = tuple(Kernel(f"reduce_{agg}_{dtype}") for agg, dtype in TILE_REDUCTIONS)

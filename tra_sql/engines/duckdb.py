@@ -69,6 +69,8 @@ class DuckDBEngine(Engine):
         if not read_only:
             duckdb_catalog.ensure_catalog(con)
         self.ensure_kernels(protocol.PACKING)  # relation views call them
+        # the dialect writes split sums as whole-tile reductions (macros over it on Arrow)
+        self.ensure_kernels((*protocol.REDUCTIONS, protocol.Kernel("reduce")))
 
     @classmethod
     def open(cls, database: str = ":memory:", *, threads: int | None = None, memory_limit: str | None = None,

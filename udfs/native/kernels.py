@@ -18,9 +18,9 @@ from functools import partial
 import duckdb
 import numpy as np
 
-from tra_sql.udfs.native import blas, capi, contract, loader
+from tra_sql.udfs.native import aggregate, blas, capi, contract, loader
 from tra_sql.udfs.native.capi import CAPI
-from tra_sql.udfs.protocol import EinsumStep, Kernel
+from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -83,10 +83,13 @@ class NativeKernels:
 
     @staticmethod
     def implements(kernel: Kernel) -> bool:
-        return kernel.kind in NATIVE
+        return kernel.kind in NATIVE or kernel in REDUCTIONS
 
     def register(self, kernel: Kernel) -> None:
-        """Register ``kernel`` (a kind of ``NATIVE``) under its SQL name."""
+        """Register ``kernel`` (a kind of ``NATIVE`` or a whole-tile reduction) under its SQL name."""
+        if kernel in REDUCTIONS:
+            self._register_reduction(kernel)
+            return
         native = NATIVE[kernel.kind]
         function = CAPI.duckdb_create_scalar_function()
         try:
@@ -105,6 +108,28 @@ class NativeKernels:
                 raise RuntimeError(f"DuckDB refused native kernel {kernel.name}")
         finally:
             CAPI.duckdb_destroy_scalar_function(ctypes.byref(ctypes.c_void_p(function)))
+
+    def _register_reduction(self, kernel: Kernel) -> None:
+        """The aggregate function of a whole-tile reduction (``aggregate``)."""
+        _, agg, dtype = kernel.kind.split("_")
+        function = CAPI.duckdb_create_aggregate_function()
+        try:
+            CAPI.duckdb_aggregate_function_set_name(function, kernel.name.encode())
+            for sql_type in kernel.params:
+                logical = _logical(sql_type)
+                CAPI.duckdb_aggregate_function_add_parameter(function, logical)
+                CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            logical = _logical(kernel.result)
+            CAPI.duckdb_aggregate_function_set_return_type(function, logical)
+            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
+            CAPI.duckdb_aggregate_function_set_functions(function, *(c.address for c in aggregate.CALLBACKS))
+            CAPI.duckdb_aggregate_function_set_destructor(function, aggregate.DESTROY.address)
+            CAPI.duckdb_aggregate_function_set_extra_info(function, aggregate.OPS[agg, dtype].ctypes.data, None)
+            if CAPI.duckdb_register_aggregate_function(self.connection, function) != 0:
+                raise RuntimeError(f"DuckDB refused native aggregate {kernel.name}")
+        finally:
+            CAPI.duckdb_destroy_aggregate_function(ctypes.byref(ctypes.c_void_p(function)))
 
     def _bind_call(self, kind: str, info: int) -> None:
         """DuckDB binds a call of ``kind``: the plan of its step becomes the call's bind data
