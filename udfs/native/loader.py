@@ -14,6 +14,8 @@ from pathlib import Path
 
 import duckdb
 
+from tra_sql.udfs.codegen import cache_dir
+
 STEM = "tra_native"  # DuckDB calls <stem>_init_c_api of <stem>.duckdb_extension
 C_API_VERSION = "v1.2.0"
 _LOADING = threading.Lock()  # one LOAD at a time: the handle passes through the library's globals
@@ -38,16 +40,11 @@ def footer(platform: str, version: str = "v0.1.0") -> bytes:
     return header + b"".join(f.encode().ljust(32, b"\x00") for f in reversed(fields)) + b"\x00" * 256
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TRA_SQL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tra_sql")
-    return Path(root) / "extension"
-
-
 def extension_file(library: Path, platform: str) -> Path:
-    """The loadable copy of ``library`` for ``platform`` (written once, atomically)."""
+    """The loadable copy of ``library`` for ``platform`` (written once, atomically) beside the
+    kernel cache (``codegen.cache_dir``)."""
     data = library.read_bytes() + footer(platform)
-    folder = _cache_dir() / hashlib.sha256(data).hexdigest()[:16]
+    folder = cache_dir().parent / "extension" / hashlib.sha256(data).hexdigest()[:16]
     path = folder / f"{STEM}.duckdb_extension"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
