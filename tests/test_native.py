@@ -188,3 +188,13 @@ def test_bad_partials_raise_in_the_aggregate(native, second, message):
     with pytest.raises(duckdb.Error, match=f"CorruptTileError: .*{message}"):
         native.engine.con.execute(sql).fetchall()
     assert native.engine.con.execute("SELECT 1").fetchall() == [(1,)]
+
+
+def test_a_null_key_raises():
+    with tra_sql.connect() as db:
+        db.from_numpy("x", np.ones((4, 4), np.float32), (2, 2))
+        db.from_numpy("y", np.ones((4, 4), np.float32), (2, 4))
+        product = db.einsum("ij,jk->ik", "x", "y")
+        db.engine.con.execute("UPDATE x SET k0 = NULL WHERE k0 = 1 AND k1 = 1")
+        with pytest.raises(duckdb.Error, match="CorruptTileError: a tile of tensor 'x' has NULL keys"):
+            _raw(db, product)

@@ -50,21 +50,27 @@ def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
 @njit(cache=True)
 def _report(info, plan, which, keys, rank, what, held, need, extents):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
-    ``held`` bytes instead of the ``need`` of its ``extents`` (1), or has a key outside the
-    tensor's grid (2)."""
+    ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
+    tensor's grid (2) or NULL keys (3)."""
     text = u8(plan[7], plan[8 + 2 * 2] + plan[9 + 2 * 2] + 1)
     out = np.zeros(MESSAGE, np.uint8)
-    at = put_text(out, 0, np.frombuffer(b"tra_sql kernel: CorruptTileError: tile (", np.uint8))
-    for d in range(rank):
-        if d:
-            at = put_text(out, at, np.frombuffer(b", ", np.uint8))
-        at = put_int(out, at, keys[d])
-    at = put_text(out, at, np.frombuffer(b") of tensor '", np.uint8))
+    at = put_text(out, 0, np.frombuffer(b"tra_sql kernel: CorruptTileError: ", np.uint8))
+    if what == 3:
+        at = put_text(out, at, np.frombuffer(b"a tile of tensor '", np.uint8))
+    else:
+        at = put_text(out, at, np.frombuffer(b"tile (", np.uint8))
+        for d in range(rank):
+            if d:
+                at = put_text(out, at, np.frombuffer(b", ", np.uint8))
+            at = put_int(out, at, keys[d])
+        at = put_text(out, at, np.frombuffer(b") of tensor '", np.uint8))
     at = put_text(out, at, text[plan[8 + 2 * which]: plan[8 + 2 * which] + plan[9 + 2 * which]])
     if what == 0:
         at = put_text(out, at, np.frombuffer(b"' is NULL", np.uint8))
     elif what == 2:
         at = put_text(out, at, np.frombuffer(b"' is outside the tensor's tile grid", np.uint8))
+    elif what == 3:
+        at = put_text(out, at, np.frombuffer(b"' has NULL keys", np.uint8))
     else:
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
@@ -102,11 +108,17 @@ def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
     first = HEADER + 3 * plan[2] * which
     keys_vec = C.duckdb_data_chunk_get_vector(chunk, 2 + 2 * which)
     tiles_vec = C.duckdb_data_chunk_get_vector(chunk, 3 + 2 * which)
-    entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)
-    children = i64(C.duckdb_vector_get_data(C.duckdb_list_vector_get_child(keys_vec)), entry[0] + entry[1])
-    keys = children[entry[0]: entry[0] + entry[1]]
-    if not valid(C.duckdb_vector_get_validity(keys_vec), row) or entry[1] != rank or \
-            not _extents(plan, first, rank, keys, extents):
+    if not valid(C.duckdb_vector_get_validity(keys_vec), row):
+        _report(info, plan, which, extents, 0, 3, 0, 0, extents)
+        return np.uint64(0)
+    entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)  # (offset, length)
+    child = C.duckdb_list_vector_get_child(keys_vec)
+    keys = i64(C.duckdb_vector_get_data(child), entry[0] + entry[1])[entry[0]: entry[0] + entry[1]]
+    for d in range(entry[1]):
+        if not valid(C.duckdb_vector_get_validity(child), entry[0] + d):
+            _report(info, plan, which, extents, 0, 3, 0, 0, extents)
+            return np.uint64(0)
+    if entry[1] != rank or not _extents(plan, first, rank, keys, extents):
         _report(info, plan, which, keys, min(rank, entry[1]), 2, 0, 0, extents)
         return np.uint64(0)
     sizes[:] = 1
