@@ -21,20 +21,30 @@ pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native exten
 FORMS = ["ij,jk->ik", "ji,jk->ik", "ij,kj->ik", "ij,jk->ki", "bij,bjk->bik", "ij,j->i", "i,j->ij", "ijk,kl->ijl"]
 
 
+def _session(kernels: str):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRA_SQL_KERNELS", kernels)
+        session = tra_sql.connect(threads=2)
+    assert session.engine.kernels == kernels
+    return session
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch):
+    """Native kernels here, also when the suite runs with TRA_SQL_KERNELS=arrow."""
+    monkeypatch.setenv("TRA_SQL_KERNELS", "native")
+
+
 @pytest.fixture(scope="module")
 def native():
-    session = tra_sql.connect(threads=2)
-    assert session.engine.kernels == "native"
+    session = _session("native")
     yield session
     session.close()
 
 
 @pytest.fixture(scope="module")
 def arrow():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRA_SQL_KERNELS", "arrow")
-        session = tra_sql.connect(threads=2)
-    assert session.engine.kernels == "arrow"
+    session = _session("arrow")
     yield session
     session.close()
 
