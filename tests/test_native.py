@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql.compile.program import Program
 from tra_sql.engines.duckdb import DuckDBEngine
-from tra_sql.errors import CorruptTileError
+from tra_sql.errors import CorruptTileError, SpecError
 from tra_sql.session import Session
 from tra_sql.udfs.native import loader
 
@@ -208,3 +208,9 @@ def test_a_null_key_raises():
         db.engine.con.execute("UPDATE x SET k0 = NULL WHERE k0 = 1 AND k1 = 1")
         with pytest.raises(duckdb.Error, match="CorruptTileError: a tile of tensor 'x' has NULL keys"):
             _raw(db, product)
+
+
+def test_an_unknown_kernel_choice_is_refused(monkeypatch):
+    monkeypatch.setenv("TRA_SQL_KERNELS", "fast")
+    with pytest.raises(SpecError, match="TRA_SQL_KERNELS='fast'"):
+        tra_sql.connect()

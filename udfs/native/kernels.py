@@ -18,6 +18,7 @@ from functools import partial
 import duckdb
 import numpy as np
 
+from tra_sql.errors import SpecError
 from tra_sql.udfs.native import aggregate, blas, capi, contract, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
@@ -42,8 +43,11 @@ NATIVE: dict[str, Native] = {
 
 
 def requested() -> bool:
-    """Whether native kernels are wanted: ``TRA_SQL_KERNELS`` is not ``arrow``."""
-    return os.environ.get("TRA_SQL_KERNELS", "native").lower() != "arrow"
+    """Whether native kernels are wanted: ``TRA_SQL_KERNELS`` is ``native`` (the default) or ``arrow``."""
+    value = os.environ.get("TRA_SQL_KERNELS", "native").strip().lower()
+    if value not in ("native", "arrow"):
+        raise SpecError(f"TRA_SQL_KERNELS={value!r}: use 'native' or 'arrow'")
+    return value == "native"
 
 
 def _logical(sql_type: str) -> int:
