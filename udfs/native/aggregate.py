@@ -15,7 +15,7 @@ import numpy as np
 from numba import cfunc, njit, types
 
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.memory import address, blob, f32, f64, put_text, u64, valid
+from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, put_text, u64, valid
 from tra_sql.udfs.protocol import TILE_REDUCTIONS
 
 STATE = 16  # bytes of a state: buffer address, its length
@@ -59,8 +59,9 @@ def _combine(ops, target, source, nbytes):
 
 @njit(cache=True)
 def _error(info, text):
-    out = np.zeros(len(text) + 1, np.uint8)
-    put_text(out, 0, text)
+    """Set the call's error: a ``CorruptTileError`` saying ``text``."""
+    out = np.zeros(len(CORRUPT) + len(text) + 1, np.uint8)
+    put_text(out, put_text(out, 0, CORRUPT), text)
     C.duckdb_aggregate_function_set_error(info, out.ctypes.data)
 
 
@@ -85,12 +86,12 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
     item = 4 if ops[1] == 0 else 8
     for row in range(n):
         if not valid(validity, row):
-            _error(info, np.frombuffer(b"tra_sql kernel: CorruptTileError: a partial result tile is NULL", np.uint8))
+            _error(info, np.frombuffer(b"a partial result tile is NULL", np.uint8))
             return
         at, held = blob(data, row)
         state = u64(pointers[row], 2)
         if held % item:
-            _error(info, np.frombuffer(b"tra_sql kernel: CorruptTileError: a partial result tile's size is not "
+            _error(info, np.frombuffer(b"a partial result tile's size is not "
                                        b"a whole number of elements", np.uint8))
             return
         if state[0] == 0:
@@ -98,7 +99,7 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             state[1] = held
             memcpy(state[0], at, held)
         elif state[1] != held:
-            _error(info, np.frombuffer(b"tra_sql kernel: CorruptTileError: partial result tiles of one output "
+            _error(info, np.frombuffer(b"partial result tiles of one output "
                                        b"tile differ in size", np.uint8))
             return
         else:
@@ -118,7 +119,7 @@ def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
             target[0], target[1] = source[0], source[1]
             source[0], source[1] = 0, 0
         elif target[1] != source[1]:
-            _error(info, np.frombuffer(b"tra_sql kernel: CorruptTileError: partial result tiles of one output "
+            _error(info, np.frombuffer(b"partial result tiles of one output "
                                        b"tile differ in size", np.uint8))
             return
         else:

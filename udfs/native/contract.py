@@ -17,10 +17,9 @@ from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.memory import address, blob, i64, put_int, put_text, u8, u64, valid
+from tra_sql.udfs.native.memory import CORRUPT, address, blob, i64, put_int, put_text, u8, u64, valid
 from tra_sql.udfs.protocol import EinsumStep
 
-ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
 # plan header: dtype (0 float32, 1 float64), itemsize, ranks of a and b, trans_a, trans_b, swap,
 # the address of its text (operand names, then the dtype's name) and (offset, length) of each
 # of the three texts, the address of the kernels' mutex (``cores``); then (size, tile, group)
@@ -54,7 +53,7 @@ def _report(info, plan, which, keys, rank, what, held, need, extents):
     tensor's grid (2) or NULL keys (3)."""
     text = u8(plan[7], plan[8 + 2 * 2] + plan[9 + 2 * 2] + 1)
     out = np.zeros(MESSAGE, np.uint8)
-    at = put_text(out, 0, np.frombuffer(b"tra_sql kernel: CorruptTileError: ", np.uint8))
+    at = put_text(out, 0, CORRUPT)
     if what == 3:
         at = put_text(out, at, np.frombuffer(b"a tile of tensor '", np.uint8))
     else:

@@ -21,6 +21,7 @@ import numpy as np
 from tra_sql.errors import SpecError
 from tra_sql.udfs.native import aggregate, blas, capi, contract, loader
 from tra_sql.udfs.native.capi import CAPI
+from tra_sql.udfs.native.memory import ERROR_PREFIX
 from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
@@ -147,7 +148,7 @@ class NativeKernels:
             CAPI.duckdb_scalar_function_set_bind_data(info, plan[0].ctypes.data, None)
             CAPI.duckdb_scalar_function_set_bind_data_copy(info, self.same)
         except Exception as err:  # reported to DuckDB, which raises it
-            CAPI.duckdb_scalar_function_bind_set_error(info, f"{contract.ERROR_PREFIX}{type(err).__name__}: {err}"
+            CAPI.duckdb_scalar_function_bind_set_error(info, f"{ERROR_PREFIX}{type(err).__name__}: {err}"
                                                        .encode())
 
 

@@ -60,6 +60,8 @@ def f64(at, n):
     return carray(_FLOAT64(at), (n,))
 
 
+ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
+CORRUPT = np.frombuffer(f"{ERROR_PREFIX}CorruptTileError: ".encode(), np.uint8)  # a corrupt tile's error
 STRING_T = 16  # bytes of one duckdb_string_t
 INLINED = 12  # the longest string stored inside its duckdb_string_t
 
