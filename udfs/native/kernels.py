@@ -19,7 +19,7 @@ import duckdb
 import numpy as np
 
 from tra_sql.errors import SpecError
-from tra_sql.udfs.native import aggregate, blas, capi, contract, loader
+from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
 from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
@@ -37,9 +37,15 @@ class Native:
     plan: Callable[[str], tuple[np.ndarray, ...]]
 
 
+def _contract():
+    from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
+
+    return contract
+
+
 #: kind -> its native implementation
 NATIVE: dict[str, Native] = {
-    "contract": Native(lambda: contract.KERNEL.address, lambda text: contract.plan(EinsumStep.decode(text))),
+    "contract": Native(lambda: _contract().KERNEL.address, lambda text: _contract().plan(EinsumStep.decode(text))),
 }
 
 
@@ -116,6 +122,8 @@ class NativeKernels:
 
     def _register_reduction(self, kernel: Kernel) -> None:
         """The aggregate function of a whole-tile reduction (``aggregate``)."""
+        from tra_sql.udfs.native import aggregate  # compiled (or read from Numba's cache) when first registered
+
         _, agg, dtype = kernel.kind.split("_")
         function = CAPI.duckdb_create_aggregate_function()
         try:
