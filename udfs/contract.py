@@ -14,6 +14,65 @@ from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
+GEMM_DTYPES = ("float32", "float64")
+
+
+def blas_groups(inputs: tuple[str, ...], output: str):
+    """(batch, left, contracted, right) index lists if the sum of products of two operands
+    ``inputs`` into ``output`` is a (batched) matrix product, else None."""
+    if len(inputs) != 2:
+        return None
+    a, b = inputs
+    if len(set(a)) != len(a) or len(set(b)) != len(b):
+        return None
+    if any(c not in b and c not in output for c in a) or any(c not in a and c not in output for c in b):
+        return None
+    batch = [c for c in a if c in b and c in output]
+    contracted = [c for c in a if c in b and c not in output]
+    return batch, [c for c in a if c not in b], contracted, [c for c in b if c not in a]
+
+
+@dataclass(frozen=True)
+class GemmForm:
+    """A product whose tiles BLAS reads as they are stored: per batch element, ``a`` is
+    (left, contracted) or, ``trans_a``, (contracted, left); ``b`` is (contracted, right) or,
+    ``trans_b``, (right, contracted); the output (left, right) or, ``swap``, (right, left)."""
+
+    groups: tuple[tuple[int, ...], tuple[int, ...]]  # per operand dimension: 0 batch, 1 left/right, 2 contracted
+    trans_a: bool
+    trans_b: bool
+    swap: bool
+
+
+def _blocks(sub: str, first: list[str], second: list[str], skip: int) -> bool | None:
+    """After ``skip`` batch indices, whether ``sub`` is ``second + first`` (True), ``first +
+    second`` (False) or neither (None)."""
+    rest = list(sub[skip:])
+    if rest == first + second:
+        return False
+    return True if rest == second + first else None
+
+
+def gemm_form(step) -> GemmForm | None:
+    """The ``GemmForm`` of a ``protocol.EinsumStep`` that is a plain product of two dense tiles
+    of one float dtype whose stored layout BLAS reads directly, else None."""
+    if (step.join is not None or step.agg != "sum" or step.layouts or step.epilogue is not None or step.prologue
+            or step.out_dtype not in GEMM_DTYPES or set(step.dtypes) != {step.out_dtype}):
+        return None
+    groups = blas_groups(step.inputs, step.output)
+    if groups is None:
+        return None
+    batch, left, contracted, right = groups
+    a, b = step.inputs
+    nb = len(batch)
+    if list(a[:nb]) != batch or list(b[:nb]) != batch or list(step.output[:nb]) != batch:
+        return None
+    trans_a, trans_b = _blocks(a, left, contracted, nb), _blocks(b, contracted, right, nb)
+    swap = _blocks(step.output, left, right, nb)
+    if trans_a is None or trans_b is None or swap is None:
+        return None
+    kind = {c: 0 for c in batch} | {c: 1 for c in left + right} | {c: 2 for c in contracted}
+    return GemmForm((tuple(kind[c] for c in a), tuple(kind[c] for c in b)), trans_a, trans_b, swap)
 
 
 @dataclass(frozen=True)
@@ -32,20 +91,9 @@ class TileEinsum:
     @cached_property
     def _matmul_layout(self):
         """(batch, left, contracted, right) index groups if this is a BLAS contraction."""
-        if self.join_code is not None or self.agg != "sum" or len(self.inputs) != 2:
+        if self.join_code is not None or self.agg != "sum":
             return None
-        a, b = self.inputs
-        if len(set(a)) != len(a) or len(set(b)) != len(b):
-            return None
-        if any(c not in b and c not in self.output for c in a):
-            return None
-        if any(c not in a and c not in self.output for c in b):
-            return None
-        batch = [c for c in a if c in b and c in self.output]
-        contracted = [c for c in a if c in b and c not in self.output]
-        left = [c for c in a if c not in b]
-        right = [c for c in b if c not in a]
-        return batch, left, contracted, right
+        return blas_groups(self.inputs, self.output)
 
     @cached_property
     def elementwise(self) -> bool:

@@ -216,6 +216,8 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {
     # one output tile per joined row: (keys, tile) of each operand
     "einsum": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # an einsum that is a plain BLAS product of two tiles (``contract.gemm_form``): native where it can be
+    "contract": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # one output tile per group, from its joined rows (fused join + aggregate); then k epilogue operands
     "einsum_agg": Signature(lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), numbered=True),
     # one output tile per group, the aggregate of its rows' partial results; then k epilogue operands
@@ -236,6 +238,14 @@ SIGNATURES: dict[str, Signature] = {
     "pack": Signature(lambda n, k: ("DOUBLE",)),
     "pack_f32": Signature(lambda n, k: ("DOUBLE",)),
 }
+
+
+#: (agg, dtype) of the whole-tile reductions: ``reduce_<agg>_<dtype>(meta, keys, tile)``, an
+#: aggregate over a group's partial result tiles (native where it can be; else a macro over
+#: ``tra_reduce`` and ``ARRAY_AGG``)
+TILE_REDUCTIONS = tuple((agg, dtype) for agg in ("sum", "max", "min", "prod") for dtype in ("float32", "float64"))
+for _agg, _dtype in TILE_REDUCTIONS:
+    SIGNATURES[f"reduce_{_agg}_{_dtype}"] = Signature(lambda n, k: (META, KEYS, TILE))
 
 
 def declare(kind: str, signature: Signature) -> None:
@@ -286,3 +296,11 @@ PACK = Kernel("pack")
 PACK_F32 = Kernel("pack_f32")
 REDUCE_GROUP = Kernel("reduce_group")
 PACKING = (PACK, PACK_F32, PACK_TILE, PACK_CSR)  # what relation views call (tra_sql.relations)
+
+
+def tile_reduction(agg: str, dtype: str) -> Kernel | None:
+    """The whole-tile reduction of ``agg`` over tiles of ``dtype`` (see ``TILE_REDUCTIONS``), or None."""
+    return Kernel(f"reduce_{agg}_{dtype}") if (agg, dtype) in TILE_REDUCTIONS else None
+
+
+REDUCTIONS = tuple(Kernel(f"reduce_{agg}_{dtype}") for agg, dtype in TILE_REDUCTIONS)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import duckdb
 
 from tra_sql.udfs import attention, einsum_kernels, elements, pack, placement, sparse  # noqa: F401  (their kinds)
-from tra_sql.udfs.protocol import Kernel
+from tra_sql.udfs.protocol import REDUCTIONS, Kernel
 from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
 
@@ -30,8 +30,13 @@ def _with_arity(function, arity: int):
 
 
 def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
-    """Register ``kernels`` (``protocol.Kernel``s) on ``con``."""
+    """Register ``kernels`` (``protocol.Kernel``s) on ``con``; a whole-tile reduction as a macro
+    over ``tra_reduce`` (registered with it) and ``ARRAY_AGG``."""
     for kernel in kernels:
+        if kernel in REDUCTIONS:
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, tile) AS "
+                        f"{Kernel('reduce').name}(meta, keys, ARRAY_AGG(tile))").fetchall()
+            continue
         params = kernel.params
         con.create_function(
             kernel.name, _with_arity(implementation(kernel), len(params)), [duckdb.sqltype(p) for p in params],

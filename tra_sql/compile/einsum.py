@@ -17,6 +17,7 @@ from tra_sql.compile import blocks, passes
 from tra_sql.compile.blocks import array, call, select_keys
 from tra_sql.compile.lowering import LOWERING, Relations
 from tra_sql.graph import Einsum
+from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.protocol import EinsumStep, Kernel
 
 
@@ -28,6 +29,12 @@ def einsum_step(node: Einsum, names: list[str], **more) -> EinsumStep:
     return EinsumStep(node.spec.inputs, node.spec.output, node.sizes, node.tiles,
                       tuple(op.dtype.name for op in node.operands), node.dtype.name, tuple(names), node.join,
                       node.agg, () if dense else layouts, "dense" if dense else node.layout, **more)
+
+
+def per_row(step: EinsumStep, arity: int) -> Kernel:
+    """The kernel computing ``step`` once per joined row: ``tra_contract_2`` for a plain BLAS
+    product (which engines may run natively), else ``tra_einsum_<arity>``."""
+    return Kernel("contract" if gemm_form(step) is not None else "einsum", arity)
 
 
 def partials_first(node: Einsum) -> bool:
@@ -79,12 +86,13 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str], epilogue=None
     step = einsum_step(node, names, epilogue=after, prologue=steps)
     fields = blocks.operand_fields(inputs)
     select = blocks.joined(refs[0], joins, where)
-    per_row = [array([key.copy() for key in out_keys])] + [f.expression for f in fields]
+    row_args = [array([key.copy() for key in out_keys])] + [f.expression for f in fields]
     if not split:
-        return select.select(*select_keys(out_keys, call(Kernel("einsum", len(refs) + k), step, per_row + extras)))
+        return select.select(*select_keys(out_keys, call(per_row(step, len(refs) + k), step, row_args + extras)))
     if partials_first(node):
         # each joined row's partial result first, then only those go through list() (smaller than the inputs)
-        partial = call(Kernel("einsum", len(refs)), einsum_step(node, names), per_row)
+        partial_step = einsum_step(node, names)
+        partial = call(per_row(partial_step, len(refs)), partial_step, row_args)
         extra_cols = [exp.alias_(e, f"e{i}") for i, e in enumerate(extras)]
         inner = select.select(*select_keys(out_keys, partial), *extra_cols)
         keys = [exp.column(blocks.key(d)) for d in range(len(out_keys))]

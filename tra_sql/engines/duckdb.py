@@ -22,13 +22,17 @@ from tra_sql.engines import duckdb_catalog, staged
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, SpecError, TraError
 from tra_sql.udfs import protocol, register_kernels
+from tra_sql.udfs.native.kernels import NativeKernels, requested
+from tra_sql.udfs.native.memory import ERROR_PREFIX
 
 if TYPE_CHECKING:
     from tra_sql.compile.program import Program
     from tra_sql.decompose.plan import Plan
     from tra_sql.graph import Node
 
-UDF_ERROR = re.compile(r"Python exception occurred while executing the UDF: (\w+): (.*)", re.S)
+# a kernel's error: an Arrow UDF's Python exception, or a native kernel's message
+UDF_ERROR = re.compile(r"(?:Python exception occurred while executing the UDF:|" + re.escape(ERROR_PREFIX.strip())
+                       + r") (\w+): (.*)", re.S)
 CALIBRATION = "tra_calibration"  # the planner's constants measured on this database
 
 
@@ -44,7 +48,11 @@ def translate(err: duckdb.Error, what: str) -> TraError:
 
 class DuckDBEngine(Engine):
     """A DuckDB connection holding the catalog, the tile tables and the registered kernels;
-    ``con`` is the connection (for DuckDB-only code: the staged executor, tests)."""
+    ``con`` is the connection (for DuckDB-only code: the staged executor, tests). ``kernels``
+    says which tile kernels run: ``native`` (the kinds with a native implementation through
+    DuckDB's C API, the others as Arrow UDFs) or ``arrow`` (all as Arrow UDFs: asked for with
+    ``TRA_SQL_KERNELS=arrow``, or the extension unbuilt, or a connection opened without
+    ``allow_unsigned_extensions``); see docs/kernels.md."""
 
     name: ClassVar[str] = "duckdb"
     dialect: ClassVar[str] = "duckdb"
@@ -56,16 +64,20 @@ class DuckDBEngine(Engine):
     def __init__(self, con: duckdb.DuckDBPyConnection, read_only: bool = False):
         super().__init__()
         self.con = con
+        self.native = NativeKernels.attach(con)
+        self.kernels = "native" if self.native else "arrow"
         if not read_only:
             duckdb_catalog.ensure_catalog(con)
         self.ensure_kernels(protocol.PACKING)  # relation views call them
+        # the dialect writes split sums as whole-tile reductions (macros over it on Arrow)
+        self.ensure_kernels((*protocol.REDUCTIONS, protocol.Kernel("reduce")))
 
     @classmethod
     def open(cls, database: str = ":memory:", *, threads: int | None = None, memory_limit: str | None = None,
              read_only: bool = False) -> DuckDBEngine:
         """Open (or create) database ``database``. On glibc the process's ``malloc`` keeps freed
         memory for the next tiles (``tra_sql.allocator``)."""
-        config = {}
+        config = {"allow_unsigned_extensions": "true"} if requested() else {}  # tra_sql's own extension
         if threads is not None:
             config["threads"] = threads
         if memory_limit is not None:
@@ -80,10 +92,15 @@ class DuckDBEngine(Engine):
         return cls(con, read_only=read_only)
 
     def close(self) -> None:
+        if self.native:
+            self.native.close()
         self.con.close()
 
     def register_kernels(self, kernels: list) -> None:
-        register_kernels(self.con, kernels)
+        native = [k for k in kernels if self.native and self.native.implements(k)]
+        for kernel in native:
+            self.native.register(kernel)
+        register_kernels(self.con, [k for k in kernels if k not in native])
 
     def translate(self, err: BaseException, what: str) -> TraError:
         return translate(err, what)

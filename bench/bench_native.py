@@ -1,0 +1,92 @@
+"""Native kernels against the Arrow UDF path, ``x @ y`` and the floor, same run (issue 18).
+
+    python bench/bench_native.py            # 4096² float32, one tile / 2048² / 1024² / 512² tiles
+    python bench/bench_native.py --quick    # 256², tiles 256 / 128 / 64 / 32: a smoke run
+
+Per tiling, each repetition times, one after another (interleaved): ``x @ y``; the floor (the
+same BLAS calls on NumPy tiles: one product per pair of tiles, summed per output tile, then
+assembled, in this process); and ``db.einsum("ij,jk->ik").numpy()`` on a session with native
+kernels and on one with Arrow UDFs (``TRA_SQL_KERNELS=arrow``). Prints medians and the ratios
+to ``x @ y`` (the issue's first row) and to the floor (its second row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+import tra_sql  # noqa: E402
+
+
+def floor(x: np.ndarray, y: np.ndarray, t: int) -> np.ndarray:
+    """The relational plan's BLAS calls on NumPy tiles: a partial product per joined pair of
+    tiles, summed per output tile, the tiles assembled into one array."""
+    n = x.shape[0]
+    out = np.empty((n, y.shape[1]), dtype=x.dtype)
+    for i in range(0, n, t):
+        for k in range(0, y.shape[1], t):
+            tile = None
+            for j in range(0, x.shape[1], t):
+                partial = x[i:i + t, j:j + t] @ y[j:j + t, k:k + t]
+                tile = partial if tile is None else tile + partial
+            out[i:i + t, k:k + t] = tile
+    return out
+
+
+def session(kernels: str):
+    os.environ["TRA_SQL_KERNELS"] = kernels
+    try:
+        db = tra_sql.connect()
+    finally:
+        os.environ.pop("TRA_SQL_KERNELS")
+    if db.engine.kernels != kernels:
+        raise SystemExit(f"no {kernels} kernels here (is the extension built? see docs/kernels.md)")
+    return db
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="256², 3 repetitions")
+    parser.add_argument("--repeat", type=int, default=None, help="timed repetitions (default 5; 3 quick)")
+    args = parser.parse_args()
+    repeat = args.repeat or (3 if args.quick else 5)
+    n = 256 if args.quick else 4096
+    rng = np.random.default_rng(0)
+    x, y = rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32)
+    print(f"machine: {machine()}; {n}² float32 ij,jk->ik, median of {repeat} interleaved\n")
+    print("| tile | x @ y s | floor s | native s | arrow s | floor/x@y | native/x@y | arrow/x@y | "
+          "native/floor | arrow/floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sessions = {kind: session(kind) for kind in ("native", "arrow")}
+    for t in (n, n // 2, n // 4, n // 8):
+        runs = {"x @ y": lambda: x @ y, "floor": lambda t=t: floor(x, y, t)}
+        for kind, db in sessions.items():
+            product = db.einsum("ij,jk->ik", db.from_numpy("x", x, (t, t), replace=True),
+                                db.from_numpy("y", y, (t, t), replace=True))
+            np.testing.assert_allclose(product.numpy(), x @ y, rtol=1e-3)  # (and the warm-up)
+            runs[kind] = product.numpy
+        times = {name: [] for name in runs}
+        for _ in range(repeat):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        m = {name: statistics.median(ts) for name, ts in times.items()}
+        print(f"| {t}² | {m['x @ y']:.3f} | {m['floor']:.3f} | {m['native']:.3f} | {m['arrow']:.3f} | "
+              f"{m['floor'] / m['x @ y']:.2f} | {m['native'] / m['x @ y']:.2f} | {m['arrow'] / m['x @ y']:.2f} | "
+              f"{m['native'] / m['floor']:.2f} | {m['arrow'] / m['floor']:.2f} |", flush=True)
+    for db in sessions.values():
+        db.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Native kernels on a DuckDB connection: ``NativeKernels.attach`` loads tra_sql's extension on
+it (``loader``) and registers the kinds of ``NATIVE`` (``protocol.Kernel`` kinds with a native
+implementation) through the C API; every other kind stays an Arrow UDF (``udfs.register``).
+
+A native scalar kernel is specialised per step when DuckDB binds a call: the bind callback
+reads the call's constant step argument, and the call's bind data points to the step's plan
+(an int64 array this object keeps for the connection's life)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import duckdb
+import numpy as np
+
+from tra_sql.errors import SpecError
+from tra_sql.udfs.native import blas, capi, loader
+from tra_sql.udfs.native.capi import CAPI
+from tra_sql.udfs.native.memory import ERROR_PREFIX
+from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
+
+_TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
+_BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class Native:
+    """A kind's native implementation: the scalar function callback's address and the plan of
+    a step (its arrays: the first is the bind data) for its bind callback."""
+
+    callback: Callable[[], int]
+    plan: Callable[[str], tuple[np.ndarray, ...]]
+
+
+def _contract():
+    from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
+
+    return contract
+
+
+#: kind -> its native implementation
+NATIVE: dict[str, Native] = {
+    "contract": Native(lambda: _contract().KERNEL.address, lambda text: _contract().plan(EinsumStep.decode(text))),
+}
+
+
+def requested() -> bool:
+    """Whether native kernels are wanted: ``TRA_SQL_KERNELS`` is ``native`` (the default) or ``arrow``."""
+    value = os.environ.get("TRA_SQL_KERNELS", "native").strip().lower()
+    if value not in ("native", "arrow"):
+        raise SpecError(f"TRA_SQL_KERNELS={value!r}: use 'native' or 'arrow'")
+    return value == "native"
+
+
+def _logical(sql_type: str) -> int:
+    if sql_type.endswith("[]"):
+        child = _logical(sql_type[:-2])
+        try:
+            return CAPI.duckdb_create_list_type(child)
+        finally:
+            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(child)))
+    return CAPI.duckdb_create_logical_type(_TYPES[sql_type])
+
+
+class NativeKernels:
+    """The native kernels registered on one database (through a C API connection to it)."""
+
+    def __init__(self, connection: int, same: int):
+        self.connection = ctypes.c_void_p(connection)
+        self.same = same  # the identity bind-data copy callback
+        self.plans: dict[tuple[str, str], tuple[np.ndarray, ...]] = {}
+        self._lock = threading.Lock()
+        # one bind callback per kind, kept alive while DuckDB may call them
+        self._binds = {kind: _BIND(partial(self._bind_call, kind)) for kind in NATIVE}
+
+    @classmethod
+    def attach(cls, con: duckdb.DuckDBPyConnection) -> NativeKernels | None:
+        """Native kernels for ``con``'s database, or None where they cannot run there (not
+        requested, the extension not built, unsigned extensions not allowed, no NumPy BLAS)."""
+        if not requested() or not blas.FOUND:
+            return None
+        loaded = loader.load(con, capi.LIB.duckdb_connect)
+        return cls(*loaded) if loaded else None
+
+    def close(self) -> None:
+        if self.connection.value:
+            CAPI.duckdb_disconnect(ctypes.byref(self.connection))
+            self.connection = ctypes.c_void_p()
+
+    @staticmethod
+    def implements(kernel: Kernel) -> bool:
+        return kernel.kind in NATIVE or kernel in REDUCTIONS
+
+    def register(self, kernel: Kernel) -> None:
+        """Register ``kernel`` (a kind of ``NATIVE`` or a whole-tile reduction) under its SQL name."""
+        if kernel in REDUCTIONS:
+            self._register_reduction(kernel)
+            return
+        native = NATIVE[kernel.kind]
+        function = CAPI.duckdb_create_scalar_function()
+        try:
+            CAPI.duckdb_scalar_function_set_name(function, kernel.name.encode())
+            for sql_type in kernel.params:
+                logical = _logical(sql_type)
+                CAPI.duckdb_scalar_function_add_parameter(function, logical)
+                CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            logical = _logical(kernel.result)
+            CAPI.duckdb_scalar_function_set_return_type(function, logical)
+            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            CAPI.duckdb_scalar_function_set_special_handling(function)  # NULL tiles reach the kernel
+            CAPI.duckdb_scalar_function_set_function(function, native.callback())
+            CAPI.duckdb_scalar_function_set_bind(function, ctypes.cast(self._binds[kernel.kind], ctypes.c_void_p))
+            if CAPI.duckdb_register_scalar_function(self.connection, function) != 0:
+                raise RuntimeError(f"DuckDB refused native kernel {kernel.name}")
+        finally:
+            CAPI.duckdb_destroy_scalar_function(ctypes.byref(ctypes.c_void_p(function)))
+
+    def _register_reduction(self, kernel: Kernel) -> None:
+        """The aggregate function of a whole-tile reduction (``aggregate``)."""
+        from tra_sql.udfs.native import aggregate  # compiled (or read from Numba's cache) when first registered
+
+        _, agg, dtype = kernel.kind.split("_")
+        function = CAPI.duckdb_create_aggregate_function()
+        try:
+            CAPI.duckdb_aggregate_function_set_name(function, kernel.name.encode())
+            for sql_type in kernel.params:
+                logical = _logical(sql_type)
+                CAPI.duckdb_aggregate_function_add_parameter(function, logical)
+                CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            logical = _logical(kernel.result)
+            CAPI.duckdb_aggregate_function_set_return_type(function, logical)
+            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
+            CAPI.duckdb_aggregate_function_set_functions(function, *(c.address for c in aggregate.CALLBACKS))
+            CAPI.duckdb_aggregate_function_set_destructor(function, aggregate.DESTROY.address)
+            CAPI.duckdb_aggregate_function_set_extra_info(function, aggregate.OPS[agg, dtype].ctypes.data, None)
+            if CAPI.duckdb_register_aggregate_function(self.connection, function) != 0:
+                raise RuntimeError(f"DuckDB refused native aggregate {kernel.name}")
+        finally:
+            CAPI.duckdb_destroy_aggregate_function(ctypes.byref(ctypes.c_void_p(function)))
+
+    def _bind_call(self, kind: str, info: int) -> None:
+        """DuckDB binds a call of ``kind``: the plan of its step becomes the call's bind data
+        (an error becomes the bind's)."""
+        try:
+            text = _constant_text(info)
+            with self._lock:
+                if (kind, text) not in self.plans:
+                    self.plans[kind, text] = NATIVE[kind].plan(text)
+                plan = self.plans[kind, text]
+            CAPI.duckdb_scalar_function_set_bind_data(info, plan[0].ctypes.data, None)
+            CAPI.duckdb_scalar_function_set_bind_data_copy(info, self.same)
+        except Exception as err:  # reported to DuckDB, which raises it
+            CAPI.duckdb_scalar_function_bind_set_error(info, f"{ERROR_PREFIX}{type(err).__name__}: {err}"
+                                                       .encode())
+
+
+def _constant_text(info: int) -> str:
+    """The value of a bound call's first argument, a constant VARCHAR."""
+    expression = ctypes.c_void_p(CAPI.duckdb_scalar_function_bind_get_argument(info, 0))
+    context, value = ctypes.c_void_p(), ctypes.c_void_p()
+    CAPI.duckdb_scalar_function_get_client_context(info, ctypes.byref(context))
+    try:
+        if not CAPI.duckdb_expression_is_foldable(expression):
+            raise ValueError("the step argument of a native kernel must be a constant")
+        error = ctypes.c_void_p(CAPI.duckdb_expression_fold(context, expression, ctypes.byref(value)))
+        failed = error.value and CAPI.duckdb_error_data_has_error(error)
+        if error.value:
+            CAPI.duckdb_destroy_error_data(ctypes.byref(error))
+        if failed or not value.value:
+            raise ValueError("the step argument of a native kernel cannot be evaluated")
+        chars = CAPI.duckdb_get_varchar(value)
+        try:
+            return ctypes.string_at(chars).decode()
+        finally:
+            CAPI.duckdb_free(chars)
+    finally:
+        if value.value:
+            CAPI.duckdb_destroy_value(ctypes.byref(value))
+        CAPI.duckdb_destroy_expression(ctypes.byref(expression))
+        CAPI.duckdb_destroy_client_context(ctypes.byref(context))

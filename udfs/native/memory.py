@@ -1,0 +1,119 @@
+"""Memory access for native kernels (nopython code): addresses as ``uint64``, views of the
+memory at an address, DuckDB's ``duckdb_string_t`` BLOB entries, and error messages written
+into byte buffers (DuckDB copies the text of an error it is given)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit, types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def address(typingctx, pointer):
+    """The ``uint64`` address of a ``voidptr`` (a callback's argument)."""
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], context.get_value_type(types.uint64))
+    return types.uint64(pointer), codegen
+
+
+def _pointer_to(item: types.Type):
+    @intrinsic
+    def pointer(typingctx, at):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
+        return types.CPointer(item)(at), codegen
+    return pointer
+
+
+_BYTES = _pointer_to(types.uint8)
+_INT64 = _pointer_to(types.int64)
+_UINT64 = _pointer_to(types.uint64)
+_UINT32 = _pointer_to(types.uint32)
+_FLOAT32 = _pointer_to(types.float32)
+_FLOAT64 = _pointer_to(types.float64)
+
+
+@njit(cache=True)
+def u8(at, n):
+    """``n`` bytes at address ``at``."""
+    return carray(_BYTES(at), (n,))
+
+
+@njit(cache=True)
+def i64(at, n):
+    return carray(_INT64(at), (n,))
+
+
+@njit(cache=True)
+def u64(at, n):
+    return carray(_UINT64(at), (n,))
+
+
+@njit(cache=True)
+def f32(at, n):
+    return carray(_FLOAT32(at), (n,))
+
+
+@njit(cache=True)
+def f64(at, n):
+    return carray(_FLOAT64(at), (n,))
+
+
+ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
+CORRUPT = np.frombuffer(f"{ERROR_PREFIX}CorruptTileError: ".encode(), np.uint8)  # a corrupt tile's error
+STRING_T = 16  # bytes of one duckdb_string_t
+INLINED = 12  # the longest string stored inside its duckdb_string_t
+
+
+@njit(cache=True)
+def blob(entries, row):
+    """(address, length) of BLOB ``row`` of a vector whose data starts at ``entries``: a
+    ``duckdb_string_t`` holds its length, then the bytes themselves when there are at most 12,
+    else a 4-byte prefix and a pointer to them."""
+    at = entries + np.uint64(STRING_T) * np.uint64(row)
+    length = carray(_UINT32(at), (1,))[0]
+    if length <= INLINED:
+        return at + np.uint64(4), np.int64(length)
+    return u64(at + np.uint64(8), 1)[0], np.int64(length)
+
+
+@njit(cache=True)
+def valid(validity, row) -> bool:
+    """Whether ``row`` is valid in a validity mask (address 0: every row is)."""
+    if validity == 0:
+        return True
+    word = u64(validity + np.uint64(8) * np.uint64(row // 64), 1)[0]
+    return (word >> np.uint64(row % 64)) & np.uint64(1) == np.uint64(1)
+
+
+@njit(cache=True)
+def put_text(out, at, text):
+    """``text`` (bytes) written into ``out`` from ``at``; the position after it."""
+    n = min(len(text), len(out) - 1 - at)
+    for i in range(n):
+        out[at + i] = text[i]
+    return at + n
+
+
+@njit(cache=True)
+def put_int(out, at, value):
+    """The decimal digits of ``value`` written into ``out`` from ``at``; the position after."""
+    digits = np.empty(20, np.uint8)
+    n = 0
+    v = abs(value)
+    while True:
+        digits[n] = 48 + v % 10
+        n += 1
+        v //= 10
+        if v == 0:
+            break
+    if value < 0 and at < len(out) - 1:
+        out[at] = 45
+        at += 1
+    for i in range(n):
+        if at >= len(out) - 1:
+            break
+        out[at] = digits[n - 1 - i]
+        at += 1
+    return at
