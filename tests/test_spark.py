@@ -20,9 +20,9 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
-from tra_sql.backends import spark_sql, transfer  # noqa: E402
+from tra_sql.backends import spark_jobs, spark_sql, transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
-from tra_sql.optim import SGD  # noqa: E402
+from tra_sql.optim import SGD, Adam  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
 from tra_sql.train import Dropout, cross_entropy  # noqa: E402
 
@@ -287,8 +287,9 @@ def test_shared_steps_run_once_and_leave_nothing(sdb):
     assert text.count("CREATE TEMPORARY VIEW") == 1  # the product; ``+ 1`` and the product chained
     persisted = persistent_rdds(sdb)
     with sdb.engine.frame(out.program()) as frame:  # the product runs in its checkpoint, which the chain reads twice
-        plan = frame._jdf.queryExecution().executedPlan().toString()
-        assert plan.count("Scan ExistingRDD") == 2 and plan.count("ArrowEvalPython") == 1
+        plan = frame._jdf.queryExecution().executedPlan().toString()  # (the second read: the first's shuffle reused)
+        assert plan.count("Scan ExistingRDD") + plan.count("ReusedExchange") == 2
+        assert plan.count("ArrowEvalPython") == 1
     g = a @ a.T
     np.testing.assert_allclose(out.numpy(), g * (g + 1))
     assert not [t for t in sdb.engine.spark.catalog.listTables() if t.isTemporary]
@@ -508,6 +509,27 @@ def numpy_gradient(x, y, w, b):
     d = (p / p.sum(axis=1, keepdims=True) - y) / len(x)
     loss = -(y * (z - z.max(axis=1, keepdims=True) - np.log(p.sum(axis=1, keepdims=True)))).sum() / len(x)
     return loss, x.T @ d, d.sum(axis=0)
+
+
+def test_a_training_step_is_one_spark_job(sdb):
+    """A training step (forward, gradients, Adam: views shared by several steps) writes its
+    results in one Spark job, and a program read back is one job too: the shared views are
+    computed inside it, not in jobs of their own (counted by Spark's status tracker)."""
+    loss, params, (x, y, _) = logistic_regression(sdb)
+    sdb.train(loss, params, Adam(lr=0.1), 1, run="jobs", progress=False)
+    with spark_jobs.jobs(sdb.engine.spark) as step:
+        history = sdb.train(loss, params, Adam(lr=0.1), 2, run="jobs", progress=False)
+    assert history.steps == 2 and step.count == 1
+    with spark_jobs.jobs(sdb.engine.spark) as run:
+        value, gw = loss.numpy(), sdb.grad(loss, params[:1])[0].numpy()
+    assert run.count == 2  # one per numpy()
+    want, want_gw, _ = numpy_gradient(x, y, params[0].numpy(), params[1].numpy())
+    np.testing.assert_allclose(value, want, rtol=1e-10)
+    np.testing.assert_allclose(gw, want_gw, rtol=1e-10, atol=1e-14)
+    with sdb.engine.frame(loss.program()) as frame:  # the settings of one job hold inside the block only
+        assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "false"
+        assert frame.count() == 1
+    assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "true"
 
 
 def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):

@@ -35,6 +35,12 @@ from tra_sql.errors import ExecutionError, TraError
 #: One kernel thread per task: Spark runs one task per core.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
+#: A program runs as one Spark job (``SparkEngine.steps``): adaptive execution would run every
+#: shuffle stage as a job of its own, and each broadcast join and each runtime Bloom filter
+#: (a scalar subquery) is a job too; without them the plan's stages run in the one job of
+#: its action, shared views computed once inside it.
+ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
+           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used runs on DuckDB only so far "
@@ -90,6 +96,22 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
     # from spark.pyspark.python, when the driver is a plain Python process.
     spark.sparkContext.pythonExec = os.environ.get("PYSPARK_PYTHON", settings["spark.pyspark.python"])
     return spark
+
+
+@contextmanager
+def settings(spark, values: dict[str, str]):
+    """The session's SQL settings ``values`` while the block runs (then as they were)."""
+    before = {k: spark.conf.get(k, None) for k in values}
+    for k, v in values.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
 
 
 class SparkEngine(Engine):
@@ -163,9 +185,15 @@ class SparkEngine(Engine):
         """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
         when first read, and kept by the executors; a cached plan would instead carry its
-        whole lineage into every plan that reads it). On exit the views are dropped and the
-        checkpoints' blocks freed."""
+        whole lineage into every plan that reads it). An action on it inside the block is
+        one Spark job (``ONE_JOB``: the checkpoints are computed inside it). On exit the
+        views are dropped, the checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
+        with settings(self.spark, ONE_JOB), self._views(steps, what) as final:
+            yield final
+
+    @contextmanager
+    def _views(self, steps: Steps, what: str):
         checkpoints = []
         try:
             try:
