@@ -25,10 +25,12 @@ from sqlglot import exp
 from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
+from tra_sql.backends.spark_staged import SparkStages
 from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants, parse_bytes
+from tra_sql.engines import staged
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, TraError
 
@@ -43,8 +45,8 @@ ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinTh
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
 
 
-DUCKDB_ONLY = ("this is a Spark session: the feature you used runs on DuckDB only so far "
-               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...))")
+DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
+               "DuckDB only")
 
 
 class DuckDBOnlyError(ExecutionError):
@@ -117,10 +119,12 @@ def settings(spark, values: dict[str, str]):
 class SparkEngine(Engine):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. ``connect(engine=
     "spark", ...)`` opens one (``open``). Relations are copies (tensor tables); what Spark
-    does not run (staged plans, transactions, ``check``, ``execute``) raises ``DuckDBOnlyError``."""
+    does not run (transactions, ``check``, ``execute``) raises ``DuckDBOnlyError``; staged plans
+    run through ``spark_staged``."""
 
     name: ClassVar[str] = "spark"
     dialect: ClassVar[str] = "spark"
+    staged: ClassVar[bool] = True
 
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
@@ -267,7 +271,7 @@ class SparkEngine(Engine):
         raise DuckDBOnlyError(DUCKDB_ONLY)
 
     def run_staged(self, root, plan):
-        raise DuckDBOnlyError(DUCKDB_ONLY)
+        return staged.computed(SparkStages(self), root, plan)
 
     # -- the catalog --------------------------------------------------------------------
     def lookup(self, name: str) -> TensorInfo:

@@ -13,10 +13,15 @@ GROUP = "spark.jobGroup.id"
 
 @dataclass
 class Jobs:
-    """The jobs launched inside a ``jobs`` block (``count`` is final once the block exits)."""
+    """The jobs of Spark job group ``group`` (the ones launched inside a ``jobs`` block)."""
 
+    sc: object
     group: str
-    count: int = 0
+
+    @property
+    def count(self) -> int:
+        """Jobs launched so far (final once the block exits)."""
+        return len(self.sc.statusTracker().getJobIdsForGroup(self.group))
 
 
 @contextmanager
@@ -25,11 +30,8 @@ def jobs(spark) -> Iterator[Jobs]:
     their own (the thread's group before is put back), counted by Spark's status tracker."""
     sc = spark.sparkContext
     before = sc.getLocalProperty(GROUP)
-    group = f"tra_sql_jobs_{uuid.uuid4().hex[:12]}"
-    counted = Jobs(group=group)
-    sc.setLocalProperty(GROUP, group)
+    sc.setLocalProperty(GROUP, f"tra_sql_jobs_{uuid.uuid4().hex[:12]}")
     try:
-        yield counted
+        yield Jobs(sc, sc.getLocalProperty(GROUP))
     finally:
         sc.setLocalProperty(GROUP, before)
-        counted.count = len(sc.statusTracker().getJobIdsForGroup(group))
