@@ -37,6 +37,7 @@ from tra_sql.errors import ExecutionError, TraError
 #: One kernel thread per task: Spark runs one task per core.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
+RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
 #: A program runs as one Spark job (``SparkEngine.steps``): adaptive execution would run every
 #: shuffle stage as a job of its own, and each broadcast join and each runtime Bloom filter
 #: (a scalar subquery) is a job too; without them the plan's stages run in the one job of
@@ -316,7 +317,8 @@ class SparkEngine(Engine):
 
     def budget(self, workers: int | None = None, memory=None) -> tuple[int, float]:
         """(workers, bytes per worker) for EinDecomp: the total executor cores (``local[N]``:
-        N) and executor memory (local: driver memory) over the cores of one executor."""
+        N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
+        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores."""
         conf = self.spark.sparkContext.getConf()
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
@@ -332,7 +334,8 @@ class SparkEngine(Engine):
             heap = conf.get("spark.executor.memory", "1g")
         if memory is not None:
             return int(workers or cores), parse_bytes(memory)
-        return int(workers or cores), jvm_bytes(heap) / per_executor
+        usable = (jvm_bytes(heap) - RESERVED) * float(conf.get("spark.memory.fraction", "0.6"))
+        return int(workers or cores), max(usable, 0.0) / per_executor
 
     def constants(self) -> Constants | None:
         return self._constants
