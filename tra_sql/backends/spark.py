@@ -137,6 +137,8 @@ class SparkEngine(Engine):
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
         self._constants: Constants | None = None  # measured by ``calibrate()``
+        #: the SQL settings programs run under (``ONE_JOB``; ``{}``: the session's own)
+        self.program_settings = dict(ONE_JOB)
 
     @classmethod
     def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
@@ -191,10 +193,10 @@ class SparkEngine(Engine):
         temporary view; one read more than once is a lazy local checkpoint (computed once,
         when first read, and kept by the executors; a cached plan would instead carry its
         whole lineage into every plan that reads it). An action on it inside the block is
-        one Spark job (``ONE_JOB``: the checkpoints are computed inside it). On exit the
+        one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
         views are dropped, the checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
-        with settings(self.spark, ONE_JOB), self._views(steps, what) as final:
+        with settings(self.spark, self.program_settings), self._views(steps, what) as final:
             yield final
 
     @contextmanager
