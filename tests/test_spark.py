@@ -550,7 +550,12 @@ def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
     runs = []
     for db, ps, lo in ((cdb, params, loss), (duck, dparams, dloss)):
         db.train(lo, ps, SGD(lr=0.5), 1, run="lr", progress=False)
-        runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
+        if db is cdb:
+            with spark_jobs.jobs(cdb.engine.spark) as step:  # the second step: one job on the cluster too
+                runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
+            assert step.count == 1
+        else:
+            runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
         np.testing.assert_allclose(db.tensor("lW").numpy(), w, rtol=1e-10)
         np.testing.assert_allclose(db.tensor("lb").numpy(), b, rtol=1e-10, atol=1e-14)
     assert runs[0].epochs == runs[1].epochs == 2 and runs[0].steps == 2

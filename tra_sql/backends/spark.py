@@ -237,7 +237,8 @@ class SparkEngine(Engine):
             self._write(info, lambda: frame, replace)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:
-        self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
+        with settings(self.spark, self.program_settings):
+            self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
 
     def _write(self, info: TensorInfo, frame, replace: bool) -> None:
         """Write the DataFrame ``frame()`` as tensor ``info.name`` (Spark's errors as ``TraError``s)."""
