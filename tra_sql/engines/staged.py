@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import replace
 from math import ceil
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from tra_sql.engines.duckdb import DuckDBEngine
 
 
-class Stages:
+class Stages(ABC):
     """What the staged executor asks of ``engine``: tile tables created, filled by queries
     (sqlglot SELECTs of ``k0..``, ``tile`` rendered in ``dialect``) and dropped; an index on a
     key column and scans through it where the engine has them."""
@@ -49,14 +50,18 @@ class Stages:
     def __init__(self, engine: Engine):
         self.engine = engine
 
+    @abstractmethod
     def create(self, table: str, rank: int, temp: bool = False) -> None:
-        raise NotImplementedError
+        """An empty tile table of a rank-``rank`` tensor (``temp``: the engine may keep it
+        out of its catalog)."""
 
+    @abstractmethod
     def insert(self, table: str, query: exp.Select) -> None:
-        raise NotImplementedError
+        """Append the rows of ``query`` to ``table``."""
 
+    @abstractmethod
     def drop(self, tables: list[str]) -> None:
-        raise NotImplementedError
+        """Drop ``tables`` (those that exist)."""
 
     def index(self, table: str, column: str) -> bool:
         """An index on ``column`` of ``table`` if the engine has indexes (False: it cannot)."""
