@@ -1,16 +1,19 @@
 """Training data no executor holds: one epoch of a 2-layer MLP (cross-entropy, Adam) on a
 Spark standalone cluster whose executors each have less memory than the training features,
-under the planner's tiling; and PyTorch in one process under the same memory cap, which
-cannot hold them.
+in tiles a task holds; and PyTorch in one process under the same memory cap, which cannot
+hold them.
 
     python bench/bench_spark_memory.py                                   # 1 GiB of features, 512m executors
     python bench/bench_spark_memory.py --rows 4096 --features 32 --quick  # a smoke run
 
 The cluster: a master and two 1-core workers on 127.0.0.1 (``tra_sql.backends.standalone``),
-``--executor-memory`` each. The features (``--rows`` × ``--features`` float64) are stored in the
-tiles that ``db.plan`` picks for the first layer's product under the cluster's budget
-(executor memory per core); the epoch's time is the second epoch's (forward, backward, Adam,
-commit), with its Spark jobs. PyTorch: a subprocess imports torch, then caps its address space
+``--executor-memory`` each. The features (``--rows`` × ``--features`` float64) are stored in
+tiles of all features and as many rows (a power of two) as keep a tile within 1/16 of the
+memory a task may use (``db.engine.budget()``), or ``--tile-rows``, or with ``--planner`` the
+tiles ``db.plan`` picks for the first layer's product under that budget (EinDecomp's default
+constants, or ``--calibrate``d ones: at these sizes it picks its smallest candidate, 1024 × 4,
+which makes the step very large); the epoch's time is the second epoch's (forward, backward,
+Adam, commit), with its Spark jobs. PyTorch: a subprocess imports torch, then caps its address space
 (``resource.setrlimit(RLIMIT_AS)``) at what it maps already plus the executor memory, and
 allocates the features as one tensor; a control run under a cap of twice the features must
 succeed (so the failure is the cap's, not the check's).
@@ -112,8 +115,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--executor-memory", default="512m", help="per executor (and worker)")
-    parser.add_argument("--tile-rows", type=int, help="store the features in tiles of this many rows (all "
-                        "features) instead of the planner's")
+    parser.add_argument("--tile-rows", type=int, help="store the features in tiles of this many rows (all features)")
+    parser.add_argument("--planner", action="store_true", help="store the features in the planner's tiles")
+    parser.add_argument("--calibrate", action="store_true", help="with --planner: calibrate the planner first")
     parser.add_argument("--quick", action="store_true", help="smoke run: skip the PyTorch control run")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
@@ -128,10 +132,16 @@ def main() -> None:
                              config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
         try:
             db.engine.wait_for_executors(2)
-            tile = (args.tile_rows, args.features) if args.tile_rows else planned_tile(db, *x.shape, args.hidden)
-            print(f"{'given' if args.tile_rows else 'the planner' + chr(39) + 's'} tiles of the features: {tile} "
-                  f"({tile[0] * tile[1] * 8 / 2**20:.1f} MiB each; {db.engine.budget()[1] / 2**20:.0f} MiB per core "
-                  f"for tasks)", flush=True)
+            task = db.engine.budget()[1]
+            if args.planner:
+                if args.calibrate:
+                    db.calibrate()
+                tile, how = planned_tile(db, *x.shape, args.hidden), "the planner's"
+            else:
+                rows = args.tile_rows or 2 ** int(np.log2(max(1.0, task / 16 / (8 * args.features))))
+                tile, how = (min(rows, args.rows), args.features), "given" if args.tile_rows else "1/16 of a task's"
+            print(f"tiles of the features ({how}): {tile}, {tile[0] * tile[1] * 8 / 2**20:.1f} MiB each; "
+                  f"{task / 2**20:.0f} MiB per task", flush=True)
             t = epoch(db, x, y, args.hidden, tile)
         finally:
             db.close()
