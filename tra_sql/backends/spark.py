@@ -25,20 +25,29 @@ from sqlglot import exp
 from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
+from tra_sql.backends.spark_staged import SparkStages
 from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants, parse_bytes
+from tra_sql.engines import staged
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, TraError
 
 #: One kernel thread per task: Spark runs one task per core.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
+RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
+#: A program runs as one Spark job (``SparkEngine.steps``): adaptive execution would run every
+#: shuffle stage as a job of its own, and each broadcast join and each runtime Bloom filter
+#: (a scalar subquery) is a job too; without them the plan's stages run in the one job of
+#: its action, shared views computed once inside it.
+ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
+           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
 
 
-DUCKDB_ONLY = ("this is a Spark session: the feature you used runs on DuckDB only so far "
-               "(automatic planning of inputs over 256 MB: pass plan=False or db.plan(...))")
+DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
+               "DuckDB only")
 
 
 class DuckDBOnlyError(ExecutionError):
@@ -92,13 +101,31 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
     return spark
 
 
+@contextmanager
+def settings(spark, values: dict[str, str]):
+    """The session's SQL settings ``values`` while the block runs (then as they were)."""
+    before = {k: spark.conf.get(k, None) for k in values}
+    for k, v in values.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+
+
 class SparkEngine(Engine):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. ``connect(engine=
     "spark", ...)`` opens one (``open``). Relations are copies (tensor tables); what Spark
-    does not run (staged plans, transactions, ``check``, ``execute``) raises ``DuckDBOnlyError``."""
+    does not run (transactions, ``check``, ``execute``) raises ``DuckDBOnlyError``; staged plans
+    run through ``spark_staged``."""
 
     name: ClassVar[str] = "spark"
     dialect: ClassVar[str] = "spark"
+    staged: ClassVar[bool] = True
 
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
@@ -110,6 +137,8 @@ class SparkEngine(Engine):
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
         self._constants: Constants | None = None  # measured by ``calibrate()``
+        #: the SQL settings programs run under (``ONE_JOB``; ``{}``: the session's own)
+        self.program_settings = dict(ONE_JOB)
 
     @classmethod
     def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
@@ -163,9 +192,15 @@ class SparkEngine(Engine):
         """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
         when first read, and kept by the executors; a cached plan would instead carry its
-        whole lineage into every plan that reads it). On exit the views are dropped and the
-        checkpoints' blocks freed."""
+        whole lineage into every plan that reads it). An action on it inside the block is
+        one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
+        views are dropped, the checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
+        with settings(self.spark, self.program_settings), self._views(steps, what) as final:
+            yield final
+
+    @contextmanager
+    def _views(self, steps: Steps, what: str):
         checkpoints = []
         try:
             try:
@@ -202,7 +237,8 @@ class SparkEngine(Engine):
             self._write(info, lambda: frame, replace)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:
-        self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
+        with settings(self.spark, self.program_settings):
+            self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
 
     def _write(self, info: TensorInfo, frame, replace: bool) -> None:
         """Write the DataFrame ``frame()`` as tensor ``info.name`` (Spark's errors as ``TraError``s)."""
@@ -239,7 +275,7 @@ class SparkEngine(Engine):
         raise DuckDBOnlyError(DUCKDB_ONLY)
 
     def run_staged(self, root, plan):
-        raise DuckDBOnlyError(DUCKDB_ONLY)
+        return staged.computed(SparkStages(self), root, plan)
 
     # -- the catalog --------------------------------------------------------------------
     def lookup(self, name: str) -> TensorInfo:
@@ -284,7 +320,8 @@ class SparkEngine(Engine):
 
     def budget(self, workers: int | None = None, memory=None) -> tuple[int, float]:
         """(workers, bytes per worker) for EinDecomp: the total executor cores (``local[N]``:
-        N) and executor memory (local: driver memory) over the cores of one executor."""
+        N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
+        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores."""
         conf = self.spark.sparkContext.getConf()
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
@@ -300,7 +337,8 @@ class SparkEngine(Engine):
             heap = conf.get("spark.executor.memory", "1g")
         if memory is not None:
             return int(workers or cores), parse_bytes(memory)
-        return int(workers or cores), jvm_bytes(heap) / per_executor
+        usable = (jvm_bytes(heap) - RESERVED) * float(conf.get("spark.memory.fraction", "0.6"))
+        return int(workers or cores), max(usable, 0.0) / per_executor
 
     def constants(self) -> Constants | None:
         return self._constants

@@ -100,8 +100,12 @@ class SparkDialect(Dialect):
 
     def steps(self, program: Program) -> Steps:
         """``program`` as steps (see ``Steps``) whose final query returns ``k0.. (INT), tile``."""
-        query = program.query(materialized=False)
-        keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(len(program.root.shape))]
+        return self.query_steps(program.query(materialized=False), len(program.root.shape))
+
+    def query_steps(self, query: exp.Select, rank: int) -> Steps:
+        """A query of a rank-``rank`` tile relation (plain CTEs) as steps whose final query
+        returns ``k0.. (INT), tile``."""
+        keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
         return self._steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")))
 
     def union_steps(self, program: Program, results: dict) -> Steps:

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_sql import SparkDialect, Steps
-from tra_sql.backends.warehouse import write_parquet
+from tra_sql.backends.warehouse import columns, write_parquet
 from tra_sql.compile.program import Program
 from tra_sql.optim import Optimizer
 
@@ -47,7 +47,8 @@ def rows(db, table: str, schema: pa.Schema) -> list[dict]:
 
 
 def write_rows(db, table: str, schema: pa.Schema, values: list[dict]) -> None:
-    db.engine.warehouse.create(table, lambda d: write_parquet(pa.Table.from_pylist(values, schema), d), replace=True)
+    db.engine.warehouse.create(table, lambda d: write_parquet(pa.Table.from_pylist(values, schema), d), replace=True,
+                               schema=columns(schema))
 
 
 def history(db, run: str) -> core.History:

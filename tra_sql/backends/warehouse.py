@@ -48,6 +48,13 @@ def literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def columns(schema: pa.Schema) -> str:
+    """``schema`` as a Spark SQL column list, ``(name TYPE, ...)``."""
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    return "(" + ", ".join(f"{quote(f.name)} {from_arrow_type(f.type).simpleString()}" for f in schema) + ")"
+
+
 def tile_schema(rank: int) -> pa.Schema:
     """The columns of a tile relation of a rank-``rank`` tensor: ``k0..`` (INT), ``tile``."""
     return pa.schema([(f"k{d}", pa.int32()) for d in range(rank)] + [("tile", pa.large_binary())])
@@ -130,10 +137,11 @@ class Warehouse:
 
     # -- writing tables -------------------------------------------------------------------
     def create(self, name: str, write: Callable[[Path], None], info: TensorInfo | None = None,
-               replace: bool = False) -> None:
+               replace: bool = False, schema: str = "") -> None:
         """Create table ``name`` from the Parquet files that ``write(directory)`` leaves in a
-        staging directory, then publish it (and ``info``'s catalog row, for a tensor). A
-        failing ``write`` leaves the warehouse as it was."""
+        staging directory, then publish it (and ``info``'s catalog row, for a tensor; a plain
+        table's ``schema``, a column list, saves Spark the job that infers it). A failing
+        ``write`` leaves the warehouse as it was."""
         catalog.check_name(name)
         if self.exists(name) and not replace:
             raise TensorExistsError(f"a table named '{name}' exists already (names are case-insensitive, "
@@ -141,11 +149,11 @@ class Warehouse:
         staging = self.root / "_staging" / uuid.uuid4().hex
         try:
             write(staging)
-            self._publish(name, staging, info)
+            self._publish(name, staging, info, schema)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _publish(self, name: str, staging: Path, info: TensorInfo | None) -> None:
+    def _publish(self, name: str, staging: Path, info: TensorInfo | None, schema: str = "") -> None:
         """Directory ``staging`` becomes table ``name`` (two renames: the old table aside,
         the new one in; ``recover`` undoes the first if a crash comes between them), with
         ``info``'s catalog row (else none). A tensor that keeps its catalog row keeps its
@@ -166,7 +174,7 @@ class Warehouse:
             os.replace(written, self._catalog_file(name))
         else:
             self._catalog_file(name).unlink(missing_ok=True)
-            self.attach(name)
+            self.attach(name, schema)
         self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
 
     def _swap(self, name: str, staging: Path) -> None:

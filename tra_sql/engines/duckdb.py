@@ -164,7 +164,7 @@ class DuckDBEngine(Engine):
         return duckdb_catalog.transaction(self.con)
 
     def run_staged(self, root: Node, plan: Plan):
-        return staged.computed(self, root, plan)
+        return staged.computed(staged.DuckDBStages(self), root, plan)
 
     def setting(self, name: str):
         """The current value of DuckDB setting ``name``."""

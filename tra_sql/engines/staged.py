@@ -1,9 +1,11 @@
-"""Staged execution of a plan on DuckDB: one statement per node into a table (tables spill, a
+"""Staged execution of a plan: one statement per node into a table (tables spill, a
 statement's lists do not), and an op whose working set is over the budget in bands of its
 tile grid, each band a statement that reads its operands in key ranges. Bands across an
-aggregated index read their tiles by key value through an index and run in sequence, each
-adding the partial result of the bands before it into its own (out of core: a few tiles in
-memory at a time).
+aggregated index read their tiles by key value (through an index, where the engine has
+them) and run in sequence, each adding the partial result of the bands before it into its
+own (out of core: a few tiles in memory at a time). An engine takes part through its
+``Stages`` (tables created, filled by a query, dropped): DuckDB's are here, Spark's in
+``tra_sql.backends.spark_staged``.
 """
 
 from __future__ import annotations
@@ -11,43 +13,112 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import replace
 from math import ceil
 from typing import TYPE_CHECKING
 
-import duckdb
 import numpy as np
 from sqlglot import exp
 
 from tra_sql import graph
 from tra_sql.aggregates import AGGREGATES
 from tra_sql.compile.blocks import key
+from tra_sql.compile.dialect import DUCKDB, Dialect
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Budget, Constants, op_cost, repartition_bands, retile_traffic
 from tra_sql.decompose.problem import extract, is_retile
 from tra_sql.einsum import EinsumSpec
 from tra_sql.engines.duckdb_catalog import STAGE_PREFIX
+from tra_sql.errors import TraError
 from tra_sql.graph import Einsum, Node, Place, Source, topological, with_inputs
 
 if TYPE_CHECKING:
     from tra_sql.decompose.plan import Plan
+    from tra_sql.engines.base import Engine
     from tra_sql.engines.duckdb import DuckDBEngine
 
 
+class Stages(ABC):
+    """What the staged executor asks of ``engine``: tile tables created, filled by queries
+    (sqlglot SELECTs of ``k0..``, ``tile`` rendered in ``dialect``) and dropped; an index on a
+    key column and scans through it where the engine has them."""
+
+    dialect: Dialect
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @abstractmethod
+    def create(self, table: str, rank: int, temp: bool = False) -> None:
+        """An empty tile table of a rank-``rank`` tensor (``temp``: the engine may keep it
+        out of its catalog)."""
+
+    @abstractmethod
+    def insert(self, table: str, query: exp.Select) -> None:
+        """Append the rows of ``query`` to ``table``."""
+
+    @abstractmethod
+    def drop(self, tables: list[str]) -> None:
+        """Drop ``tables`` (those that exist)."""
+
+    def index(self, table: str, column: str) -> bool:
+        """An index on ``column`` of ``table`` if the engine has indexes (False: it cannot)."""
+        return False
+
+    def keyed(self) -> contextlib.AbstractContextManager:
+        """A context in which scans by key value go through the indexes."""
+        return contextlib.nullcontext()
+
+
+class DuckDBStages(Stages):
+    """DuckDB's: tables (tiles uncompressed: reading one tile of a ZSTD-compressed segment,
+    which DuckDB picks for large blobs, decompresses most of the segment) and ART indexes."""
+
+    dialect = DUCKDB
+    engine: DuckDBEngine
+
+    def create(self, table: str, rank: int, temp: bool = False) -> None:
+        cols = ", ".join([f"{key(d)} INTEGER" for d in range(rank)] + ["tile BLOB USING COMPRESSION uncompressed"])
+        self.engine.con.execute(f'CREATE {"TEMP " if temp else ""}TABLE "{table}" ({cols})').fetchall()
+
+    def insert(self, table: str, query: exp.Select) -> None:
+        self.engine.con.execute(f'INSERT INTO "{table}" {self.dialect.render(query)[0]}').fetchall()
+
+    def drop(self, tables: list[str]) -> None:
+        for t in tables:
+            self.engine.con.execute(f'DROP TABLE IF EXISTS "{t}"').fetchall()
+
+    def index(self, table: str, column: str) -> bool:
+        """An ART index (views and read-only databases go without)."""
+        try:
+            self.engine.con.execute(f'CREATE INDEX IF NOT EXISTS "_tra_ix_{table}_{column}" '
+                                    f'ON "{table}" ({column})').fetchall()
+        except self.engine.Error:
+            return False
+        return True
+
+    def keyed(self):
+        """Without DuckDB's join filter pushdown, which adds a range filter to a probe-side
+        scan at run time and turns it back into a full table scan."""
+        before = self.engine.setting("disabled_optimizers")
+        return self.engine.settings(disabled_optimizers=",".join(x for x in [before, "join_filter_pushdown"] if x))
+
+
 @contextlib.contextmanager
-def computed(engine: DuckDBEngine, root: Node, plan_: Plan) -> Iterator[str]:
+def computed(stages: Stages, root: Node, plan_: Plan) -> Iterator[str]:
     """The table holding ``root`` computed by ``run_staged``, while the ``with`` block runs;
     then it is dropped (unless ``root`` is a stored tensor)."""
-    table = run_staged(engine, root, plan_)
+    table = run_staged(stages, root, plan_)
     try:
         yield table
     finally:
         if not isinstance(root, Source):
-            _drop(engine, [table])
+            stages.drop([table])
 
 
-def run_staged(engine: DuckDBEngine, root: Node, plan_: Plan) -> str:
+def run_staged(stages: Stages, root: Node, plan_: Plan) -> str:
     """Compute every node of ``root``'s DAG into its own table, node by node, each op in as
     many bands as its working set needs; returns the root's table (the caller drops it)."""
     order = topological(root)
@@ -65,29 +136,17 @@ def run_staged(engine: DuckDBEngine, root: Node, plan_: Plan) -> str:
             local = with_inputs(node, inputs) if inputs else node
             table = f"{STAGE_PREFIX}{tag}_{k}"
             owned.add(table)  # before it exists: a failure inside materialize drops it too
-            materialize(engine, local, table, plan_.consts, budget)
+            materialize(stages, local, table, plan_.consts, budget)
             tables[id(node)] = table
             done = [tables[id(c)] for c in node.inputs if last_use.get(id(c)) == k and tables[id(c)] in owned]
-            _drop(engine, done)
+            stages.drop(done)
             owned -= set(done)
     except BaseException as err:
-        _drop(engine, sorted(owned))
-        if isinstance(err, duckdb.Error):
-            raise engine.translate(err, f"computing {root.label} in stages") from None
+        stages.drop(sorted(owned))
+        if isinstance(err, stages.engine.Error) and not isinstance(err, TraError):
+            raise stages.engine.translate(err, f"computing {root.label} in stages") from None
         raise
     return tables[id(root)]
-
-
-def _drop(engine: DuckDBEngine, tables: list[str]) -> None:
-    for t in tables:
-        engine.con.execute(f'DROP TABLE IF EXISTS "{t}"').fetchall()
-
-
-def _create(engine: DuckDBEngine, table: str, rank: int, temp: bool = False) -> None:
-    """A tile table; its tiles uncompressed (reading one tile of a ZSTD-compressed segment,
-    which DuckDB picks for large blobs, decompresses most of the segment)."""
-    cols = ", ".join([f"{key(d)} INTEGER" for d in range(rank)] + ["tile BLOB USING COMPRESSION uncompressed"])
-    engine.con.execute(f'CREATE {"TEMP " if temp else ""}TABLE "{table}" ({cols})').fetchall()
 
 
 def bands(node: Einsum, consts: Constants, budget: Budget) -> list[int]:
@@ -124,14 +183,14 @@ def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b) - 1) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Budget) -> list[str]:
+def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Budget) -> list[exp.Select]:
     """A re-tiling as bands of its output tile grid, each reading only the source tiles that
     overlap it (key ranges on the source scan and on the output keys)."""
     src = node.sources[0]
     pieces, _ = retile_traffic(src.shape, src.dtype.itemsize, src.tile, node.tile)
     need = float(repartition_bands(pieces, src.dtype.itemsize * float(np.prod(src.tile)), consts, budget))
     if need <= 1:
-        return [select.sql(dialect="duckdb")]
+        return [select]
     b = list(node.grid)  # one output tile per statement: DuckDB's list() memory grows with the groups
     out = []
     for box in itertools.product(*[_ranges(g, x) for g, x in zip(node.grid, b)]):
@@ -147,33 +206,33 @@ def _retile_bands(node: Place, select: exp.Select, consts: Constants, budget: Bu
             query = query.where(exp.Between(this=exp.column(f"o{d}", "p"), low=exp.Literal.number(lo),
                                             high=exp.Literal.number(hi)))
         query.args["from_"].this.set("this", pieces)
-        out.append(query.sql(dialect="duckdb"))
+        out.append(query)
     return out
 
 
-def materialize(engine: DuckDBEngine, node: Node, table: str, consts: Constants, budget: Budget) -> None:
+def materialize(stages: Stages, node: Node, table: str, consts: Constants, budget: Budget) -> None:
     """Create ``table`` holding ``node``'s tiles (its inputs are stored tables)."""
     program = Program.compile(node)
-    engine.ensure_kernels(program.kernels)
-    select = program.query()
-    _create(engine, table, len(node.shape))
+    stages.engine.ensure_kernels(program.kernels)
+    select = program.query(stages.dialect.materialized)
+    stages.create(table, len(node.shape))
     if is_retile(node):
-        for sql in _retile_bands(node, select, consts, budget):
-            engine.con.execute(f'INSERT INTO "{table}" {sql}').fetchall()
+        for query in _retile_bands(node, select, consts, budget):
+            stages.insert(table, query)
         return
     if not isinstance(node, Einsum):
-        engine.con.execute(f'INSERT INTO "{table}" {select.sql(dialect="duckdb")}').fetchall()
+        stages.insert(table, select)
         return
     b = bands(node, consts, budget)
     idx = node.spec.indices
     split_agg = [i for i, c in enumerate(idx) if c not in node.spec.output and b[i] > 1]
     for m in range(len(node.operands)):
-        _index_keys(engine, node, m, [idx[i] for i in split_agg])
-    with _keyed_scans(engine) if split_agg else contextlib.nullcontext():
-        _run_bands(engine, node, table, b, split_agg)
+        _index_keys(stages, node, m, [idx[i] for i in split_agg])
+    with stages.keyed() if split_agg else contextlib.nullcontext():
+        _run_bands(stages, node, table, b, split_agg)
 
 
-def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], split_agg: list[int]) -> None:
+def _run_bands(stages: Stages, node: Einsum, table: str, b: list[int], split_agg: list[int]) -> None:
     """``node`` into ``table`` in ``b`` bands per index: for each band of the aggregated
     indices ``split_agg`` in turn, every output band, each adding the previous partial result.
     A band's operands are the slices of ``node``'s it reads, keyed from 0 along the
@@ -184,6 +243,7 @@ def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], spl
     out_pos = [i for i, c in enumerate(idx) if c in node.spec.output]
     agg_boxes = list(itertools.product(*[_ranges(grid[i], b[i]) for i in split_agg]))
     acc = None
+    engine, materialized = stages.engine, stages.dialect.materialized
     keyed = node.agg == "sum" and not engine.completeness()(node)  # bands may lack tiles: add as a keyed sum
     partial: list[str] = []  # tables of earlier bands, dropped on failure too
     try:
@@ -192,26 +252,26 @@ def _run_bands(engine: DuckDBEngine, node: Einsum, table: str, b: list[int], spl
             into = f"{table}_b{s}" if keyed and acc is not None else target  # the band alone, then added
             for t in {target, into} - {table}:
                 partial.append(t)
-                _create(engine, t, len(node.shape), temp=True)
+                stages.create(t, len(node.shape), temp=True)
             shift = {idx[i]: lo for i, (lo, _) in zip(split_agg, agg_box)}
             band = _band(node, {idx[i]: r for i, r in zip(split_agg, agg_box)})
             program = Program.compile(band if acc is None or into != target else _accumulate(band, acc))
             engine.ensure_kernels(program.kernels)
             for box in itertools.product(*[_ranges(grid[i], b[i]) for i in out_pos]):
                 ranges = dict(zip(out_pos, box)) | dict(zip(split_agg, agg_box))
-                query = _restrict(program.query(), node,
+                query = _restrict(program.query(materialized), node,
                                   {idx[i]: r for i, r in ranges.items() if r != (0, grid[i] - 1)}, shift)
-                engine.con.execute(f'INSERT INTO "{into}" {query.sql(dialect="duckdb")}').fetchall()
+                stages.insert(into, query)
             if into != target:
                 added = Program.compile(graph.add([Source(node.shape, node.dtype, node.tile, into, node.layout), acc]))
                 engine.ensure_kernels(added.kernels)
-                engine.con.execute(f'INSERT INTO "{target}" {added.sql(pretty=False)}').fetchall()
-                _drop(engine, [into])
+                stages.insert(target, added.query(materialized))
+                stages.drop([into])
             if acc is not None:
-                _drop(engine, [acc.table])
+                stages.drop([acc.table])
             acc = Source(node.shape, node.dtype, node.tile, target, node.layout)
     except BaseException:
-        _drop(engine, partial)
+        stages.drop(partial)
         raise
 
 
@@ -227,14 +287,6 @@ def _band(node: Einsum, ranges: dict[str, tuple[int, int]]) -> Einsum:
     return replace(node, operands=operands)
 
 
-def _keyed_scans(engine: DuckDBEngine):
-    """Statements whose scans go through a key index: without DuckDB's join filter pushdown,
-    which adds a range filter to a probe-side scan at run time and turns it back into a
-    full table scan."""
-    before = engine.setting("disabled_optimizers")
-    return engine.settings(disabled_optimizers=",".join(x for x in [before, "join_filter_pushdown"] if x))
-
-
 def _accumulate(node: Einsum, acc: Source) -> Einsum:
     """``node`` combined with the partial result ``acc`` of the bands before (the kernel adds
     it to each contracted tile: an epilogue of the contraction); both have every tile."""
@@ -243,19 +295,14 @@ def _accumulate(node: Einsum, acc: Source) -> Einsum:
                   AGGREGATES[node.agg].combine, "sum")
 
 
-def _index_keys(engine: DuckDBEngine, node: Einsum, m: int, indices: list[str]) -> None:
-    """An ART index on each key column of operand ``m`` that a band selects by value: a
-    scan through it loads only the selected tiles, where a table scan loads every tile of
-    each 2048-row vector it touches (see ``cost.scan_memory``). Views and read-only
-    databases go without."""
+def _index_keys(stages: Stages, node: Einsum, m: int, indices: list[str]) -> None:
+    """An index on each key column of operand ``m`` that a band selects by value: a scan
+    through it loads only the selected tiles, where a DuckDB table scan loads every tile of
+    each 2048-row vector it touches (see ``cost.scan_memory``)."""
     table = node.operands[m].table
     for d, c in enumerate(node.spec.inputs[m]):
-        if c in indices:
-            try:
-                engine.con.execute(f'CREATE INDEX IF NOT EXISTS "_tra_ix_{table}_{key(d)}" '
-                                    f'ON "{table}" ({key(d)})').fetchall()
-            except duckdb.Error:
-                return
+        if c in indices and not stages.index(table, key(d)):
+            return
 
 
 def _restrict(query: exp.Select, node: Einsum, ranges: dict[str, tuple[int, int]], shift: dict[str, int]) -> exp.Select:

@@ -1,0 +1,95 @@
+"""Plans on Spark (local[2]): staged and banded plans, out-of-core bands that accumulate,
+a planned gradient and the automatic plan of ``numpy()`` give numpy's answers, in a few
+Spark jobs per stage, and leave no stage table behind. Skipped without pyspark or Java."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyspark")
+if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+    pytest.skip("the Spark tests need Java", allow_module_level=True)
+
+import tra_sql  # noqa: E402
+from tra_sql import nn  # noqa: E402
+from tra_sql.backends import spark_jobs  # noqa: E402
+from tra_sql.decompose import Constants, choose, make_plan  # noqa: E402
+
+CONSTS = Constants(row=1e-4, stmt=1e-3, blas_call=1e-4)
+
+
+@pytest.fixture(scope="module")
+def sdb():
+    db = tra_sql.connect(engine="spark", master="local[2]", driver_memory="1g",
+                         config={"spark.sql.shuffle.partitions": "2"})
+    yield db
+    db.close()
+
+
+def stage_tables(db) -> list[str]:
+    return [t.name for t in db.engine.spark.catalog.listTables() if t.name.startswith("_tra_stage")] + \
+        [p.name for p in db.engine.warehouse.root.iterdir() if p.name.startswith("_tra_stage")]
+
+
+def test_banded_plan_with_partial_sums(sdb):
+    rng = np.random.default_rng(1)
+    A, B = rng.random((40, 64)), rng.random((64, 30))
+    C = sdb.einsum("ij,jk->ik", sdb.from_numpy("A", A, tile=(10, 16), replace=True),
+                   sdb.from_numpy("B", B, tile=(16, 10), replace=True))
+    plan = make_plan(C.node, 1, 80000, CONSTS, base=(1, 2, 4), yardsticks=False)
+    assert plan.staged and max(op.bands for op in plan.ops) > 1
+    np.testing.assert_allclose(C.store("C", plan=plan, replace=True).numpy(), A @ B, rtol=1e-10)
+    np.testing.assert_allclose(C.numpy(plan=plan), A @ B, rtol=1e-10)
+    assert not stage_tables(sdb)
+
+
+def test_out_of_core_bands_accumulate(sdb):
+    """One contracted tile per band, each adding the partial sum of the bands before."""
+    rng = np.random.default_rng(4)
+    A, B = rng.standard_normal((16, 256)), rng.standard_normal((256, 12))
+    C = sdb.einsum("ij,jk->ik", sdb.from_numpy("oA", A, tile=(16, 32), replace=True),
+                   sdb.from_numpy("oB", B, tile=(32, 12), replace=True))
+    plan = sdb.plan(C, workers=2, memory="20KB")
+    assert plan.staged and plan.ops[0].parts["j"] > 1 and plan.ops[0].bands > 1
+    with spark_jobs.jobs(sdb.engine.spark) as jobs:
+        got = C.numpy(plan=plan)
+    np.testing.assert_allclose(got, A @ B, rtol=1e-10)
+    assert jobs.count <= 3 * plan.ops[0].bands + 4  # a band, its sum with the last: a job each
+    assert not stage_tables(sdb)
+
+
+def test_planned_mlp_and_gradient(sdb):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    X, W, b = rng.standard_normal((32, 12)), rng.standard_normal((12, 12)), rng.standard_normal(12)
+    x = sdb.from_numpy("px", X, tile=(8, 12), replace=True)
+    w, bias = sdb.from_numpy("pW", W, tile=(6, 6), replace=True), sdb.from_numpy("pb", b, tile=(12,), replace=True)
+    y = nn.mlp(sdb, x, [(w, bias), (w, bias)])
+    plan = make_plan(y.node, 2, 8000, CONSTS, base=(1, 2, 4), yardsticks=False)
+    np.testing.assert_allclose(y.numpy(plan=plan), y.numpy(plan=False), rtol=1e-10)
+    (gw,) = sdb.grad(sdb.einsum("ij,ij->", y, y), [w])
+    tx, tw, tb = (torch.tensor(v, requires_grad=v is W) for v in (X, W, b))
+    hidden = torch.relu(tx @ tw + tb)
+    out = hidden @ tw + tb
+    (out * out).sum().backward()
+    gplan = make_plan(gw.node, 2, 8000, CONSTS, base=(1, 2, 4), yardsticks=False)
+    assert gplan.staged
+    np.testing.assert_allclose(gw.numpy(plan=gplan), tw.grad.numpy(), rtol=1e-9)
+    assert not stage_tables(sdb)
+
+
+def test_numpy_plans_automatically_on_spark(sdb, monkeypatch):
+    """``numpy()`` plans a program whose tiling as written does not fit the executors'
+    memory (here: a budget of 20 KB per core and inputs counted big from 1 KB)."""
+    rng = np.random.default_rng(5)
+    A, B = rng.standard_normal((16, 256)), rng.standard_normal((256, 12))
+    C = sdb.einsum("ij,jk->ik", sdb.from_numpy("aA", A, tile=(16, 64), replace=True),
+                   sdb.from_numpy("aB", B, tile=(64, 12), replace=True))
+    monkeypatch.setattr(choose, "AUTO_MIN_BYTES", 1024)
+    monkeypatch.setattr(sdb.engine, "budget", lambda workers=None, memory=None: (2, 20e3))
+    plan = choose.auto(C)
+    assert plan is not None and plan.staged
+    np.testing.assert_allclose(C.numpy(), A @ B, rtol=1e-10)
+    assert not stage_tables(sdb)

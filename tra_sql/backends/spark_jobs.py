@@ -1,0 +1,37 @@
+"""Counting the Spark jobs that a block of driver code launches (``jobs``): the benchmark's
+"jobs per step" and the tests that bound it. Job counts are deterministic, unlike times."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+GROUP = "spark.jobGroup.id"
+
+
+@dataclass
+class Jobs:
+    """The jobs of Spark job group ``group`` (the ones launched inside a ``jobs`` block)."""
+
+    sc: object
+    group: str
+
+    @property
+    def count(self) -> int:
+        """Jobs launched so far (final once the block exits)."""
+        return len(self.sc.statusTracker().getJobIdsForGroup(self.group))
+
+
+@contextmanager
+def jobs(spark) -> Iterator[Jobs]:
+    """Count the Spark jobs this thread launches inside the block: they run in a job group of
+    their own (the thread's group before is put back), counted by Spark's status tracker."""
+    sc = spark.sparkContext
+    before = sc.getLocalProperty(GROUP)
+    sc.setLocalProperty(GROUP, f"tra_sql_jobs_{uuid.uuid4().hex[:12]}")
+    try:
+        yield Jobs(sc, sc.getLocalProperty(GROUP))
+    finally:
+        sc.setLocalProperty(GROUP, before)
