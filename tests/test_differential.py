@@ -1,11 +1,12 @@
 """Differential tests: random programs over the public API (``diffgen``) run on every path that
 applies (unplanned, planned for random workers and memory, staged, each fusion switched off,
-``numpy()``/``arrow()``/``store()``, Spark) and compared with a PyTorch reference computed
+``numpy()``/``arrow()``/``store()``, native and Arrow kernels, Spark) and compared with a PyTorch reference computed
 from the dense arrays. A failure prints the program as a runnable script (``note``) and the
 path that disagreed; ``HYPOTHESIS_PROFILE=long pytest -m fuzz`` runs the long profile."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import traceback
@@ -155,11 +156,30 @@ def prune_fusions(program: Program, db, paths: list[str]) -> list[str]:
     return kept
 
 
+@contextlib.contextmanager
+def arrow_kernels():
+    """Sessions opened inside run the Arrow UDF kernels, not the native ones."""
+    before = os.environ.get("TRA_SQL_KERNELS")
+    os.environ["TRA_SQL_KERNELS"] = "arrow"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRA_SQL_KERNELS"]
+        else:
+            os.environ["TRA_SQL_KERNELS"] = before
+
+
 def differential(program: Program, paths: list[str]) -> None:
+    """``paths`` on the default (native) kernels, then those that are not fusion switches (the
+    kernels do not depend on a fusion) on the Arrow kernels."""
     with tra_sql.connect() as probe:
         paths = prune_fusions(program, probe, paths)
     with tra_sql.connect() as db:
         run_paths(program, db, paths)
+    with arrow_kernels(), tra_sql.connect() as db:
+        assert db.engine.kernels == "arrow"
+        run_paths(program, db, [f"# TRA_SQL_KERNELS=arrow\n{p}" for p in paths if "fusions(off=" not in p])
 
 
 # -- the fuzz tests ---------------------------------------------------------------------------------
@@ -228,10 +248,12 @@ def spark(tmp_path_factory):
 @given(data=st.data())
 def test_random_programs_on_spark(spark, data):
     """A small sample of random programs (no absent tiles: they are deleted in DuckDB SQL) on
-    Spark local[2]: numpy(), arrow() and store()."""
+    Spark local[2]: numpy(), arrow() and store(), unplanned and under a tight (staged) plan."""
     program = data.draw(programs(absent=False, ops=(1, 3)))
     paths = ["got = {v}.numpy(plan=False)", "got = dense({v}, {v}.arrow())",
-             'got = {v}.store("{v}_stored").numpy(plan=False)']
+             'got = {v}.store("{v}_stored").numpy(plan=False)',
+             'plan = db.plan({v}, workers=2, memory="16KB")\ngot = dense({v}, {v}.arrow(plan=plan))',
+             'got = {v}.store("{v}_planned", plan=db.plan({v}, workers=2, memory="16KB")).numpy(plan=False)']
     try:
         run_paths(program, spark, paths)
     finally:

@@ -126,7 +126,7 @@ def polish(model: Model, assign: list[int], sweeps: int = 6) -> list[int]:
                 if edges[e].dst != v:
                     f += model.producer_side(e, assign[edges[e].dst])
             s = int(np.argmin(f))
-            if f[s] < f[assign[v]] - EPS * max(1.0, abs(float(f[s]))):
+            if np.isfinite(f[s]) and f[s] < f[assign[v]] - EPS * max(1.0, abs(float(f[s]))):  # none fits: stay
                 assign[v] = s
                 moved |= {edges[e].src for e in into.get(v, [])} | {edges[e].dst for e in outof.get(v, [])}
         todo = moved
