@@ -38,6 +38,7 @@ from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
 from tra_sql.backends import spark_jobs, transfer  # noqa: E402
+from tra_sql.backends.spark import ONE_JOB  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 
 SEED = 11
@@ -244,7 +245,7 @@ def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = False) -> dict[str, float]:
+def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, one_job: bool = False) -> dict[str, float]:
     data = gcn_data(n, e, f, c)
     with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
         gcn_tables(duck, data)
@@ -253,8 +254,8 @@ def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = Fa
                              driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
         try:
             db.engine.wait_for_executors(2)
-            if adaptive:
-                db.engine.program_settings = {}
+            if one_job:
+                db.engine.program_settings = dict(ONE_JOB)
             for table in ("adj", "labels"):
                 transfer.copy(duck, db, table, replace=True)
             t_spark, spark_losses, spark_w1, jobs = gcn_epoch(db, n, f, h, c, block, data[3])
@@ -280,9 +281,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["matmul", "gcn"], choices=["matmul", "gcn"])
     parser.add_argument("--gcn", type=int, nargs=5, default=(8192, 81920, 128, 16, 8),
                         metavar=("NODES", "EDGES", "FEATURES", "HIDDEN", "CLASSES"))
-    parser.add_argument("--adaptive", action="store_true",
-                        help="tra_sql's GCN under Spark's own settings (adaptive execution, broadcast joins: a job "
-                             "per stage), not SparkEngine.program_settings (one job per step); for an A/B")
+    parser.add_argument("--one-job", action="store_true",
+                        help="tra_sql's GCN with each program one Spark job (spark.ONE_JOB: no adaptive execution, "
+                             "no broadcast joins) instead of Spark's own settings; for an A/B")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     if "matmul" in args.only:
@@ -294,7 +295,7 @@ def main() -> None:
               f"epoch's time (forward, backward, Adam step, commit); MLlib: median of {args.repeat} after a warm-up",
               flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
-            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.adaptive)
+            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.one_job)
         print(f"\n| run | s | Spark jobs |\n|---|---|---|\n| tra_sql on DuckDB (2 threads), one epoch | "
               f"{t['duckdb']:.2f} | |\n| tra_sql on Spark, one epoch (one step) | {t['spark']:.2f} | {t['jobs']} |\n"
               f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | {t['df_jobs']} |\n"

@@ -514,23 +514,25 @@ def numpy_gradient(x, y, w, b):
 
 
 def test_a_training_step_is_one_spark_job(sdb):
-    """A training step (forward, gradients, Adam: views shared by several steps) writes its
-    results in one Spark job, and a program read back is one job too: the shared views are
-    computed inside it, not in jobs of their own (counted by Spark's status tracker)."""
+    """Under ``one_job`` a training step (forward, gradients, Adam: views shared by several
+    steps) writes its results in one Spark job, and a program read back is one job too: the
+    shared views are computed inside it, not in jobs of their own (Spark's status tracker)."""
     loss, params, (x, y, _) = logistic_regression(sdb)
     sdb.train(loss, params, Adam(lr=0.1), 1, run="jobs", progress=False)
-    with spark_jobs.jobs(sdb.engine.spark) as step:
-        history = sdb.train(loss, params, Adam(lr=0.1), 2, run="jobs", progress=False)
-    assert history.steps == 2 and step.count == 1
-    with spark_jobs.jobs(sdb.engine.spark) as run:
-        value, gw = loss.numpy(), sdb.grad(loss, params[:1])[0].numpy()
-    assert run.count == 2  # one per numpy()
+    with spark_jobs.one_job(sdb.engine):
+        with spark_jobs.jobs(sdb.engine.spark) as step:
+            history = sdb.train(loss, params, Adam(lr=0.1), 2, run="jobs", progress=False)
+        assert history.steps == 2 and step.count == 1
+        with spark_jobs.jobs(sdb.engine.spark) as run:
+            value, gw = loss.numpy(), sdb.grad(loss, params[:1])[0].numpy()
+        assert run.count == 2  # one per numpy()
+        with sdb.engine.frame(loss.program()) as frame:  # the settings of one job hold inside the block only
+            assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "false"
+            assert frame.count() == 1
+    assert sdb.engine.program_settings == {}
     want, want_gw, _ = numpy_gradient(x, y, params[0].numpy(), params[1].numpy())
     np.testing.assert_allclose(value, want, rtol=1e-10)
     np.testing.assert_allclose(gw, want_gw, rtol=1e-10, atol=1e-14)
-    with sdb.engine.frame(loss.program()) as frame:  # the settings of one job hold inside the block only
-        assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "false"
-        assert frame.count() == 1
     assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "true"
 
 
@@ -552,7 +554,7 @@ def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
     for db, ps, lo in ((cdb, params, loss), (duck, dparams, dloss)):
         db.train(lo, ps, SGD(lr=0.5), 1, run="lr", progress=False)
         if db is cdb:
-            with spark_jobs.jobs(cdb.engine.spark) as step:  # the second step: one job on the cluster too
+            with spark_jobs.one_job(cdb.engine), spark_jobs.jobs(cdb.engine.spark) as step:  # one job there too
                 runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
             assert step.count == 1
         else:

@@ -38,10 +38,11 @@ from tra_sql.errors import ExecutionError, TraError
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
-#: A program runs as one Spark job (``SparkEngine.steps``): adaptive execution would run every
-#: shuffle stage as a job of its own, and each broadcast join and each runtime Bloom filter
-#: (a scalar subquery) is a job too; without them the plan's stages run in the one job of
-#: its action, shared views computed once inside it.
+#: Settings under which a program runs as one Spark job (``SparkEngine.steps``): adaptive
+#: execution runs every shuffle stage as a job of its own, and each broadcast join and each
+#: runtime Bloom filter (a scalar subquery) is a job too; without them the plan's stages run in
+#: the one job of its action, shared views computed once inside it. Opt-in
+#: (``spark_jobs.one_job``): without broadcast joins the GCN step was slower (docs/spark.md).
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
 
@@ -137,8 +138,8 @@ class SparkEngine(Engine):
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
         self._constants: Constants | None = None  # measured by ``calibrate()``
-        #: the SQL settings programs run under (``ONE_JOB``; ``{}``: the session's own)
-        self.program_settings = dict(ONE_JOB)
+        #: SQL settings programs run under, over the session's own (``ONE_JOB``: one job each)
+        self.program_settings: dict[str, str] = {}
 
     @classmethod
     def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",

@@ -1,5 +1,6 @@
 """Counting the Spark jobs that a block of driver code launches (``jobs``): the benchmark's
-"jobs per step" and the tests that bound it. Job counts are deterministic, unlike times."""
+"jobs per step" and the tests that bound it. Job counts are deterministic, unlike times.
+``one_job`` runs a block's programs one Spark job each."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from tra_sql.backends.spark import ONE_JOB
 
 GROUP = "spark.jobGroup.id"
 
@@ -22,6 +25,18 @@ class Jobs:
     def count(self) -> int:
         """Jobs launched so far (final once the block exits)."""
         return len(self.sc.statusTracker().getJobIdsForGroup(self.group))
+
+
+@contextmanager
+def one_job(engine) -> Iterator[None]:
+    """Inside the block, each program ``engine`` (a ``SparkEngine``) runs is one Spark job
+    (``spark.ONE_JOB``'s settings); its settings before are put back on exit."""
+    before = engine.program_settings
+    engine.program_settings = {**before, **ONE_JOB}
+    try:
+        yield
+    finally:
+        engine.program_settings = before
 
 
 @contextmanager
