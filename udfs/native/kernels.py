@@ -57,6 +57,16 @@ def requested() -> bool:
     return value == "native"
 
 
+def _declare(kernel: Kernel, function, add_parameter, set_return_type) -> None:
+    """Give ``function`` (a scalar or an aggregate function) ``kernel``'s parameter and
+    result types through that kind's two C API calls."""
+    calls = [(add_parameter, sql_type) for sql_type in kernel.params] + [(set_return_type, kernel.result)]
+    for call, sql_type in calls:
+        logical = _logical(sql_type)
+        call(function, logical)
+        CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+
+
 def _logical(sql_type: str) -> int:
     if sql_type.endswith("[]"):
         child = _logical(sql_type[:-2])
@@ -105,13 +115,8 @@ class NativeKernels:
         function = CAPI.duckdb_create_scalar_function()
         try:
             CAPI.duckdb_scalar_function_set_name(function, kernel.name.encode())
-            for sql_type in kernel.params:
-                logical = _logical(sql_type)
-                CAPI.duckdb_scalar_function_add_parameter(function, logical)
-                CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
-            logical = _logical(kernel.result)
-            CAPI.duckdb_scalar_function_set_return_type(function, logical)
-            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            _declare(kernel, function, CAPI.duckdb_scalar_function_add_parameter,
+                     CAPI.duckdb_scalar_function_set_return_type)
             CAPI.duckdb_scalar_function_set_special_handling(function)  # NULL tiles reach the kernel
             CAPI.duckdb_scalar_function_set_function(function, native.callback())
             CAPI.duckdb_scalar_function_set_bind(function, ctypes.cast(self._binds[kernel.kind], ctypes.c_void_p))
@@ -128,13 +133,8 @@ class NativeKernels:
         function = CAPI.duckdb_create_aggregate_function()
         try:
             CAPI.duckdb_aggregate_function_set_name(function, kernel.name.encode())
-            for sql_type in kernel.params:
-                logical = _logical(sql_type)
-                CAPI.duckdb_aggregate_function_add_parameter(function, logical)
-                CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
-            logical = _logical(kernel.result)
-            CAPI.duckdb_aggregate_function_set_return_type(function, logical)
-            CAPI.duckdb_destroy_logical_type(ctypes.byref(ctypes.c_void_p(logical)))
+            _declare(kernel, function, CAPI.duckdb_aggregate_function_add_parameter,
+                     CAPI.duckdb_aggregate_function_set_return_type)
             CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
             CAPI.duckdb_aggregate_function_set_functions(function, *(c.address for c in aggregate.CALLBACKS))
             CAPI.duckdb_aggregate_function_set_destructor(function, aggregate.DESTROY.address)
