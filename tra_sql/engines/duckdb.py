@@ -6,7 +6,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar
 
@@ -69,6 +69,8 @@ class DuckDBEngine(Engine):
         if not read_only:
             duckdb_catalog.ensure_catalog(con)
         self.ensure_kernels(protocol.PACKING)  # relation views call them
+        # the dialect writes split sums as whole-tile reductions (macros over it on Arrow)
+        self.ensure_kernels((*protocol.REDUCTIONS, protocol.Kernel("reduce")))
 
     @classmethod
     def open(cls, database: str = ":memory:", *, threads: int | None = None, memory_limit: str | None = None,
@@ -93,15 +95,6 @@ class DuckDBEngine(Engine):
         if self.native:
             self.native.close()
         self.con.close()
-
-    def ensure_kernels(self, kernels: Iterable) -> None:
-        """As ``Engine.ensure_kernels``; a ``reduce`` kernel brings the whole-tile reductions
-        DuckDB's dialect may write its calls as (native, or macros over it on Arrow), so a
-        session that never splits an aggregation never loads them."""
-        kernels = list(kernels)
-        if any(k.kind == "reduce" for k in kernels):
-            kernels += protocol.REDUCTIONS
-        super().ensure_kernels(kernels)
 
     def register_kernels(self, kernels: list) -> None:
         native = [k for k in kernels if self.native and self.native.implements(k)]
