@@ -47,6 +47,16 @@ def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(cache=True)
+def _put_ints(out, at, values, rank):
+    """``values[:rank]`` written at ``at`` as ``a, b, c``; the position after them."""
+    for d in range(rank):
+        if d:
+            at = put_text(out, at, np.frombuffer(b", ", np.uint8))
+        at = put_int(out, at, values[d])
+    return at
+
+
+@njit(cache=True)
 def _report(info, plan, which, keys, rank, what, held, need, extents):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
     ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
@@ -58,10 +68,7 @@ def _report(info, plan, which, keys, rank, what, held, need, extents):
         at = put_text(out, at, np.frombuffer(b"a tile of tensor '", np.uint8))
     else:
         at = put_text(out, at, np.frombuffer(b"tile (", np.uint8))
-        for d in range(rank):
-            if d:
-                at = put_text(out, at, np.frombuffer(b", ", np.uint8))
-            at = put_int(out, at, keys[d])
+        at = _put_ints(out, at, keys, rank)
         at = put_text(out, at, np.frombuffer(b") of tensor '", np.uint8))
     at = put_text(out, at, text[plan[8 + 2 * which]: plan[8 + 2 * which] + plan[9 + 2 * which]])
     if what == 0:
@@ -74,10 +81,7 @@ def _report(info, plan, which, keys, rank, what, held, need, extents):
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
         at = put_text(out, at, np.frombuffer(b" bytes; its shape (", np.uint8))
-        for d in range(rank):
-            if d:
-                at = put_text(out, at, np.frombuffer(b", ", np.uint8))
-            at = put_int(out, at, extents[d])
+        at = _put_ints(out, at, extents, rank)
         at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
         at = put_text(out, at, text[plan[12]: plan[12] + plan[13]])
         at = put_text(out, at, np.frombuffer(b" need ", np.uint8))
