@@ -33,7 +33,6 @@ from common import machine, median_time  # noqa: E402
 import tra_sql  # noqa: E402
 from tra_sql.catalog import TensorInfo  # noqa: E402
 from tra_sql.decompose import Constants, graphs, make_plan  # noqa: E402
-from tra_sql.decompose.calibrate import save  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
 
 GB = 1e9
@@ -107,9 +106,7 @@ def section_plans(db, args) -> None:
 
 
 def db_consts(db):
-    from tra_sql.decompose.calibrate import load
-
-    return load(db.engine.con)
+    return db.engine.constants() or Constants()
 
 
 def section_llama(db, args) -> None:
@@ -213,7 +210,7 @@ def section_ooc(args, consts) -> None:
     t_before, _ = numpy_time()  # numpy before and after: the machine's load drifts
     with tempfile.TemporaryDirectory(dir=args.ooc_dir) as tmp:
         db = tra_sql.connect(str(Path(tmp) / "ooc.duckdb"), threads=args.workers, memory_limit="4GB")
-        save(db.engine.con, consts)
+        db.engine.save_constants(consts)
         db.engine.con.execute(f"SET temp_directory = '{tmp}/spill'").fetchall()
         # tiles uncompressed: DuckDB would pick ZSTD for these blobs, and reading one tile of a
         # ZSTD segment decompresses most of it; one checkpoint at the end of the load
@@ -268,7 +265,7 @@ def main() -> None:
     with tra_sql.connect(threads=args.workers) as db:
         if args.no_calibrate:
             consts = Constants()
-            save(db.engine.con, consts)
+            db.engine.save_constants(consts)
             print("constants: the defaults (no calibration in this run)\n")
         else:
             start = time.perf_counter()
