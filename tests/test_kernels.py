@@ -150,3 +150,29 @@ def test_blas_products_give_ieee_values_without_warnings():
         warnings.simplefilter("error")
         got = db.einsum("ij,jk->ik", db.from_numpy("x", x), db.from_numpy("y", y)).numpy()
     np.testing.assert_array_equal(got, expected)
+
+
+def test_a_registration_failing_part_way_keeps_the_kernels_registered_before_it():
+    import tra_sql
+    from tra_sql.udfs.protocol import Kernel
+
+    good, bad = Kernel("einsum", 2), Kernel("einsum", 3)
+    with tra_sql.connect() as db:
+        engine, register = db.engine, db.engine.register_kernels
+        calls = []
+
+        def failing(kernels):
+            calls.extend(kernels)
+            if bad in kernels:
+                raise RuntimeError("refused")
+            register(kernels)
+
+        engine.register_kernels = failing
+        with pytest.raises(RuntimeError):
+            engine.ensure_kernels([bad, good])
+        engine.register_kernels = register
+        engine.ensure_kernels([bad, good])  # only the one that failed is registered again
+        assert calls == [good, bad]
+        x = np.arange(6.0).reshape(2, 3)
+        got = db.einsum("ij,jk->ik", db.from_numpy("x", x), db.from_numpy("y", x.T), join="x0 * x1 + 0 * x0")
+        np.testing.assert_allclose(got.numpy(), x @ x.T)

@@ -44,10 +44,11 @@ class Engine(ABC):
         self._kernels: set = set()
 
     def ensure_kernels(self, kernels: Iterable) -> None:
-        """Register the tile kernels ``kernels`` (those a program calls) once each."""
-        missing = set(kernels) - self._kernels
-        self.register_kernels(sorted(missing, key=str))
-        self._kernels |= missing
+        """Register the tile kernels ``kernels`` (those a program calls) once each; a kernel
+        is recorded as it registers, so a failure part-way leaves the others known."""
+        for kernel in sorted(set(kernels) - self._kernels, key=str):
+            self.register_kernels([kernel])
+            self._kernels.add(kernel)
 
     @abstractmethod
     def register_kernels(self, kernels: list) -> None:
