@@ -88,8 +88,8 @@ class Program:
             columns = [exp.column(key(d)) for d in range(len(self.root.shape))] + [exp.column("tile")]
             final = exp.select(*columns).from_(exp.to_table(root, quoted=True))
         select = final.copy()
-        for name, cte in steps:
-            select = select.with_(name, as_=cte, materialized=materialized or None)
+        for name, cte in steps:  # copy=False: each step is copied once, not the whole query per step
+            select = select.with_(name, as_=cte.copy(), materialized=materialized or None, copy=False)
         return select
 
     def sql(self, pretty: bool = True, dialect: Dialect = DUCKDB) -> str:
@@ -111,5 +111,5 @@ class Program:
         for part in parts[1:]:
             select = exp.union(select, part, distinct=False)
         for name, cte, _ in self.ctes:
-            select = select.with_(name, as_=cte, materialized=True)
+            select = select.with_(name, as_=cte.copy(), materialized=True, copy=False)
         return select
