@@ -323,3 +323,31 @@ def test_accuracy_is_hits_over_count_as_numpy_rounds_it(db):
     hits = (logits.argmax(1) == labels).sum()
     acc = train.accuracy(db, db.from_numpy("lg", logits, **tiled), db.from_numpy("tg", targets, **tiled), n)
     assert acc.numpy() == hits / n
+
+
+def test_a_run_failing_before_its_first_commit_leaves_nothing(db, rng):
+    loss, params, data = _problem(db, rng)
+    tensors = set(db.tensors())
+    not_scalar = db.einsum("ij,jk->ik", db.tensor("X"), params[0])
+    with pytest.raises(tra_sql.errors.ShapeError, match="must be a scalar"):
+        db.train(not_scalar, params, Adam(lr=0.05), 1, run="first", progress=False)
+    assert set(db.tensors()) == tensors  # no Adam state tensors, no scalars
+    assert db.sql("SELECT count(*) FROM tra_runs WHERE run = 'first'").fetchall() == [(0,)]
+    # the name is free: the run starts over with another optimizer and gives PyTorch's weights
+    db.train(loss, params, SGD(lr=0.1), 2, run="first", progress=False)
+    expected = _torch_run(data, OPTIMIZERS["sgd"][1], 2)
+    for p, name in zip(params, ("W1", "b1", "W2")):
+        np.testing.assert_allclose(db.tensor(p.name).numpy(), expected[name], rtol=1e-6, atol=1e-8)
+
+
+def test_an_interrupted_run_keeps_its_committed_steps(db, rng):
+    loss, params, _ = _problem(db, rng)
+
+    def stop(epoch, _):
+        if epoch == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        db.train(loss, params, Adam(lr=0.05), 5, run="kept", progress=False, on_epoch=stop)
+    assert db.sql("SELECT step FROM tra_runs WHERE run = 'kept'").fetchall() == [(2,)]
+    assert {"kept__m__W1", "kept__v__W1"} <= {t for t in db.tensors()}

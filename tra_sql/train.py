@@ -166,13 +166,19 @@ class Trainer:
             if p.name is None:
                 raise SpecError("parameters must be stored tensors (db.parameter or db.from_numpy)")
         self.names = [p.name for p in self.params]
-        self.state = {(name, slot): self._zeros(f"{run}__{slot}__{name}", p)
-                      for name, p in zip(self.names, self.params) for slot in optimizer.slots}
-        # the optimizer's step-dependent numbers as scalar tensors, one set per parameter dtype
-        # (float32 weights must stay float32): <run>__<name>, <run>__<name>__float32
-        dtypes = {"float32" if p.dtype == np.float32 else "float64" for p in self.params}
-        self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
-                             for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
+        self.created: list[str] = []  # the state tensors this trainer made (``discard`` drops them)
+        self.claimed = False  # whether ``resume`` wrote the run's row
+        try:
+            self.state = {(name, slot): self._zeros(f"{run}__{slot}__{name}", p)
+                          for name, p in zip(self.names, self.params) for slot in optimizer.slots}
+            # the optimizer's step-dependent numbers as scalar tensors, one set per parameter dtype
+            # (float32 weights must stay float32): <run>__<name>, <run>__<name>__float32
+            dtypes = {"float32" if p.dtype == np.float32 else "float64" for p in self.params}
+            self.scalars = {dt: {s: self._scalar(f"{run}__{s}" + ("" if dt == "float64" else f"__{dt}"), dt)
+                                 for s in optimizer.scalars(1)} for dt in sorted(dtypes)}
+        except BaseException:
+            self.discard()
+            raise
         self.plans: dict[int, Step] = {}
         self.snapshots: set[int] = set()  # batches whose relation views were read in this run
         self.staged: dict[int, pa.Table] = {}  # per batch, the rows of a fused step not yet committed
@@ -180,12 +186,29 @@ class Trainer:
     def _zeros(self, name: str, like: Tensor) -> Tensor:
         if name.lower() not in (t.lower() for t in self.db.tensors()):
             self.db.from_numpy(name, np.zeros(like.shape, like.dtype), tile=like.tile)
+            self.created.append(name)
         return self.db.tensor(name)
 
     def _scalar(self, name: str, dtype: str) -> Tensor:
         if name.lower() not in (t.lower() for t in self.db.tensors()):
             self.db.from_numpy(name, np.array(0.0, dtype))
+            self.created.append(name)
         return self.db.tensor(name)
+
+    def keep(self) -> None:
+        """A step is committed: the run and its state stay, whatever happens next."""
+        self.created.clear()
+        self.claimed = False
+
+    def discard(self) -> None:
+        """Undo a run that failed before its first commit: drop the state tensors this
+        trainer made and the run's row, so that nothing of it is left (nor its name taken)."""
+        for name in reversed(self.created):
+            self.db.drop(name)
+        self.created.clear()
+        if self.claimed:
+            self.db.engine.rows(f"DELETE FROM {RUNS} WHERE run = ? AND step = 0", [self.run])
+            self.claimed = False
 
     def plan(self, batch: int) -> Step:
         if batch not in self.plans:
@@ -261,6 +284,7 @@ class Trainer:
         if not row:
             self.db.engine.rows(f"INSERT INTO {RUNS} VALUES (?, 0, 0, 0, 0.0, ?, ?)",
                                 [self.run, described, self.optimizer.describe()])
+            self.claimed = True
             return 0, 0, 0, 0.0
         step, epoch, batch, loss_sum, params, optimizer = row[0]
         check_run(self.run, (params, optimizer), (described, self.optimizer.describe()))
@@ -322,6 +346,14 @@ def check_run(run: str, stored: tuple[str, str], given: tuple[str, str]) -> None
 def loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | None) -> History:
     """``train``'s epochs and batches from where ``trainer``'s run stopped, committing every
     step; the run's ``History``."""
+    try:
+        return _loop(trainer, epochs, before_step, on_epoch, progress)
+    except BaseException:
+        trainer.discard()  # a no-op once a step is committed (``keep``)
+        raise
+
+
+def _loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | None) -> History:
     step, epoch, batch, loss_sum = trainer.resume()
     batches = trainer.batches
     bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
@@ -336,9 +368,11 @@ def loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | 
                 step, batch = step + 1, batch + 1
                 if batch < batches:
                     trainer.commit(batch - 1, {"step": step, "batch": batch, "loss_sum": loss_sum})
+                    trainer.keep()
             mean = loss_sum / batches
             trainer.commit(batch - 1, {"step": step, "epoch": epoch + 1, "batch": 0, "loss_sum": 0.0},
                            log=[epoch, step, mean, time.perf_counter() - started])
+            trainer.keep()
             epoch, batch, loss_sum = epoch + 1, 0, 0.0
             bar.update(1)
             bar.set_postfix(loss=f"{mean:.4f}")
