@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from tra_sql.compile import passes
 from tra_sql.compile.blocks import call, grouped, kernels_called
 from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.protocol import CONTRACT, Kernel, fused_contraction, tile_reduction
@@ -82,9 +83,10 @@ class Dialect:
 
     def render(self, query: exp.Expression, pretty: bool = False) -> tuple[str, set[Kernel]]:
         """``query``'s text in this dialect, with its split sums of BLAS products fused (where
-        ``fuses_contractions``) and its kernel calls in their engine's form, and the kernels it
-        calls (``query`` is rewritten in place: pass a copy of your own)."""
-        if self.fuses_contractions:
+        ``fuses_contractions``, unless ``passes.fusions`` switched ``contractions`` off) and its
+        kernel calls in their engine's form, and the kernels it calls (``query`` is rewritten in
+        place: pass a copy of your own)."""
+        if self.fuses_contractions and "contractions" in passes.enabled:
             for select in reversed(list(query.find_all(exp.Select))):  # the innermost first
                 fused = self.fuse(select)
                 if select is query:
