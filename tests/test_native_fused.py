@@ -4,6 +4,8 @@ transposed forms), the SQL really calls it (no per-row partial products), bad ti
 calls by hand raise and the process survives, DuckDB's threads combine its states, and the
 planner prices it (no list(), a state per group)."""
 
+from types import SimpleNamespace
+
 import duckdb
 import numpy as np
 import pytest
@@ -11,10 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
+from tra_sql import catalog
+from tra_sql.catalog import TensorInfo
 from tra_sql.compile.dialect import DUCKDB
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Budget, Constants, fusible, op_cost
 from tra_sql.decompose.problem import extract
+from tra_sql.engines import staged
 from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.native import loader
 
@@ -126,15 +131,27 @@ def test_a_scalar_result(native):
     np.testing.assert_allclose(product.numpy(), x @ x)
 
 
-def test_staged_bands_are_fused(native):
-    """The staged executor's statements (bands of a plan, their operands read in key ranges)
-    go through the dialect too."""
+def test_staged_output_bands_are_fused(native, monkeypatch):
+    """The staged executor's statements (here two bands of the output rows, each reading its
+    operands in key ranges) go through the dialect too."""
     rng = np.random.default_rng(7)
-    x, y = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
+    x, y = rng.standard_normal((8, 6)), rng.standard_normal((6, 4))
     product = native.einsum("ij,jk->ik", native.from_numpy("sx", x, (2, 2), replace=True),
                             native.from_numpy("sy", y, (2, 2), replace=True))
-    plan = native.plan(product, workers=1, memory=40_000)
-    np.testing.assert_allclose(product.numpy(plan=plan), x @ y, rtol=1e-12, atol=1e-12)
+    stages = staged.DuckDBStages(native.engine)
+    rendered = []
+    render = stages.dialect.render
+    monkeypatch.setattr(stages, "dialect", SimpleNamespace(materialized=True, render=lambda query: rendered.append(
+        render(query)) or rendered[-1]))
+    stages.create("_tra_stage_fused", 2)
+    try:
+        staged._run_bands(stages, product.node, "_tra_stage_fused", [2, 1, 1], [])
+        tiles = native.engine.arrow('SELECT * FROM "_tra_stage_fused"')
+    finally:
+        stages.drop(["_tra_stage_fused"])
+    assert len(rendered) == 2 and all("TRA_CONTRACT_AGG_FLOAT64(" in text for text, _ in rendered)
+    info = TensorInfo("p", np.dtype(np.float64), (8, 4), (2, 2), "dense")
+    np.testing.assert_allclose(catalog.assemble(info, tiles), x @ y, rtol=1e-12, atol=1e-12)
 
 
 def _raw(db, tensor):
