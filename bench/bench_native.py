@@ -2,12 +2,19 @@
 
     python bench/bench_native.py            # 4096² float32, one tile / 2048² / 1024² / 512² tiles
     python bench/bench_native.py --quick    # 256², tiles 256 / 128 / 64 / 32: a smoke run
+    python bench/bench_native.py --batched  # bij,bjk->bik 64x512² float32 against numpy.matmul
+    python bench/bench_native.py --batched --quick  # 8x64²: a smoke run
 
 Per tiling, each repetition times, one after another (interleaved): ``x @ y``; the floor (the
 same BLAS calls on NumPy tiles: one product per pair of tiles, summed per output tile, then
 assembled, in this process); and ``db.einsum("ij,jk->ik").numpy()`` on a session with native
 kernels and on one with Arrow UDFs (``TRA_SQL_KERNELS=arrow``). Prints medians and the ratios
-to ``x @ y`` (the issue's first row) and to the floor (its second row).
+to ``x @ y`` (the issue's first row) and to the floor (its second row). Split contractions
+run as the fused contraction aggregate on the native path (docs/kernels.md).
+
+``--batched`` (the issue's third row): ``db.einsum("bij,bjk->bik")`` against
+``numpy.matmul(x, y)``, batch tiles of 8 with the whole 512² matrices, and with ``j`` split in
+two (the fused aggregate), native and Arrow.
 """
 
 from __future__ import annotations
@@ -53,12 +60,49 @@ def session(kernels: str):
     return db
 
 
+def _medians(runs: dict, repeat: int) -> dict[str, float]:
+    """Each run timed ``repeat`` times, interleaved; the medians."""
+    times = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def batched(quick: bool, repeat: int) -> None:
+    b, n = (8, 64) if quick else (64, 512)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((b, n, n), dtype=np.float32), rng.random((b, n, n), dtype=np.float32)
+    print(f"machine: {machine()}; bij,bjk->bik {b}x{n}² float32, median of {repeat} interleaved\n")
+    print("| tiles (b, i, j) x (b, j, k) | matmul s | native s | arrow s | native/matmul | arrow/matmul |")
+    print("|---|---|---|---|---|---|")
+    sessions = {kind: session(kind) for kind in ("native", "arrow")}
+    for bt, jt in ((b // 8, n), (b // 8, n // 2)):
+        runs = {"matmul": lambda: np.matmul(x, y)}
+        for kind, db in sessions.items():
+            product = db.einsum("bij,bjk->bik", db.from_numpy("x", x, (bt, n, jt), replace=True),
+                                db.from_numpy("y", y, (bt, jt, n), replace=True))
+            np.testing.assert_allclose(product.numpy(), np.matmul(x, y), rtol=1e-3)  # (and the warm-up)
+            runs[kind] = product.numpy
+        m = _medians(runs, repeat)
+        print(f"| ({bt}, {n}, {jt}) x ({bt}, {jt}, {n}) | {m['matmul']:.3f} | {m['native']:.3f} | "
+              f"{m['arrow']:.3f} | {m['native'] / m['matmul']:.2f} | {m['arrow'] / m['matmul']:.2f} |", flush=True)
+    for db in sessions.values():
+        db.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="256², 3 repetitions")
+    parser.add_argument("--quick", action="store_true", help="256² (batched: 8x64²), 3 repetitions")
+    parser.add_argument("--batched", action="store_true", help="bij,bjk->bik against numpy.matmul")
     parser.add_argument("--repeat", type=int, default=None, help="timed repetitions (default 5; 3 quick)")
     args = parser.parse_args()
     repeat = args.repeat or (3 if args.quick else 5)
+    if args.batched:
+        batched(args.quick, repeat)
+        return
     n = 256 if args.quick else 4096
     rng = np.random.default_rng(0)
     x, y = rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32)
@@ -74,13 +118,7 @@ def main() -> None:
                                 db.from_numpy("y", y, (t, t), replace=True))
             np.testing.assert_allclose(product.numpy(), x @ y, rtol=1e-3)  # (and the warm-up)
             runs[kind] = product.numpy
-        times = {name: [] for name in runs}
-        for _ in range(repeat):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        m = {name: statistics.median(ts) for name, ts in times.items()}
+        m = _medians(runs, repeat)
         print(f"| {t}² | {m['x @ y']:.3f} | {m['floor']:.3f} | {m['native']:.3f} | {m['arrow']:.3f} | "
               f"{m['floor'] / m['x @ y']:.2f} | {m['native'] / m['x @ y']:.2f} | {m['arrow'] / m['x @ y']:.2f} | "
               f"{m['native'] / m['floor']:.2f} | {m['arrow'] / m['floor']:.2f} |", flush=True)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import tra_sql
 from tra_sql import nn
-from tra_sql.compile import chain
+from tra_sql.compile import chain, passes
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -23,7 +23,11 @@ def test_split_contraction_joins_and_groups(db):
     tree = sqlglot.parse_one(sql, read="duckdb")
     join = tree.find(sqlglot.exp.Join)
     assert join is not None and join.args["on"].sql() == "x1.k0 = x0.k1"
-    # one partial product per joined tile pair, then only the partials are aggregated (a whole-tile reduction)
+    # DuckDB: one fused aggregate, each joined tile pair's product added into its output tile
+    assert "TRA_CONTRACT_AGG_FLOAT64(" in sql and "GROUP BY x0.k0, x1.k1" in sql and "TRA_REDUCE" not in sql
+    with passes.fusions(off={"contractions"}):
+        sql = flat(db.einsum("ij,jk->ik", A, B))
+    # else one partial product per joined tile pair, then only the partials are aggregated (a whole-tile reduction)
     assert "TRA_CONTRACT_2(" in sql and "TRA_REDUCE_SUM_FLOAT64(" in sql and "GROUP BY k0, k1" in sql
     np.testing.assert_allclose(db.einsum("ij,jk->ik", A, B).numpy(), np.full((6, 4), 6.0))
 
@@ -34,7 +38,9 @@ def test_split_outer_contraction_aggregates_the_inputs(db):
     A = db.from_numpy("A", np.ones((6, 6)), tile=(6, 1))
     B = db.from_numpy("B", np.ones((4, 6)), tile=(4, 1))
     C = db.einsum("ij,kj->ik", A, B)
-    sql = flat(C)
+    assert "TRA_CONTRACT_AGG_FLOAT64(" in flat(C)  # DuckDB: the fused aggregate either way
+    with passes.fusions(off={"contractions"}):
+        sql = flat(C)
     assert "TRA_EINSUM_AGG_2(" in sql and "ARRAY_AGG({'keys0': [x0.k0, x0.k1], 'tile0': x0.tile" in sql
     np.testing.assert_allclose(C.numpy(), np.full((6, 4), 6.0))
 
@@ -65,7 +71,7 @@ def test_multi_operand_follows_pairwise_path(db):
     ts = [db.from_numpy(n, np.ones((4, 4)), tile=(2, 2)) for n in "ABCD"]
     C = db.einsum("ij,jk,kl,lm->im", *ts)
     sql = flat(C)
-    assert sql.count("TRA_REDUCE") == 3 and "AS MATERIALIZED" in sql
+    assert sql.count("TRA_CONTRACT_AGG") == 3 and "AS MATERIALIZED" in sql
     np.testing.assert_allclose(C.numpy(), np.full((4, 4), 64.0))
 
 
@@ -73,7 +79,7 @@ def test_shared_subexpression_computed_once(db):
     A = db.from_numpy("A", np.eye(3) * 2, tile=(2, 2))
     S = db.einsum("ij,jk->ik", A, A)
     T = db.einsum("ij,jk->ik", S, S)
-    assert flat(T).count("TRA_REDUCE") == 2
+    assert flat(T).count("TRA_CONTRACT_AGG") == 2
     np.testing.assert_allclose(T.numpy(), np.eye(3) * 16)
 
 
@@ -95,7 +101,7 @@ def test_identical_subprograms_are_merged(db):
     left = db.einsum("ij,jk->ik", A, A)
     right = db.einsum("ij,jk->ik", A, A)
     total = db.einsum("ij,ij->ij", left, right, join="x0 + x1")
-    assert flat(total).count("TRA_REDUCE_SUM_FLOAT64(") == 1
+    assert flat(total).count("TRA_CONTRACT_AGG_FLOAT64(") == 1
     np.testing.assert_allclose(total.numpy(), np.eye(3) * 8)
 
 

@@ -12,9 +12,9 @@ from tra_sql.aggregates import AGGREGATES
 from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
+from tra_sql.udfs.protocol import FLOATS
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
-GEMM_DTYPES = ("float32", "float64")
 
 
 def blas_groups(inputs: tuple[str, ...], output: str):
@@ -57,7 +57,7 @@ def gemm_form(step) -> GemmForm | None:
     """The ``GemmForm`` of a ``protocol.EinsumStep`` that is a plain product of two dense tiles
     of one float dtype whose stored layout BLAS reads directly, else None."""
     if (step.join is not None or step.agg != "sum" or step.layouts or step.epilogue is not None or step.prologue
-            or step.out_dtype not in GEMM_DTYPES or set(step.dtypes) != {step.out_dtype}):
+            or step.out_dtype not in FLOATS or set(step.dtypes) != {step.out_dtype}):
         return None
     groups = blas_groups(step.inputs, step.output)
     if groups is None:

@@ -240,12 +240,20 @@ SIGNATURES: dict[str, Signature] = {
 }
 
 
+FLOATS = ("float32", "float64")  # the dtypes of BLAS products and whole-tile aggregates
+
 #: (agg, dtype) of the whole-tile reductions: ``reduce_<agg>_<dtype>(meta, keys, tile)``, an
 #: aggregate over a group's partial result tiles (native where it can be; else a macro over
 #: ``tra_reduce`` and ``ARRAY_AGG``)
-TILE_REDUCTIONS = tuple((agg, dtype) for agg in ("sum", "max", "min", "prod") for dtype in ("float32", "float64"))
+TILE_REDUCTIONS = tuple((agg, dtype) for agg in ("sum", "max", "min", "prod") for dtype in FLOATS)
 for _agg, _dtype in TILE_REDUCTIONS:
     SIGNATURES[f"reduce_{_agg}_{_dtype}"] = Signature(lambda n, k: (META, KEYS, TILE))
+#: the fused contraction aggregates ``contract_agg_<dtype>(meta, keys, keys0, tile0, keys1,
+#: tile1)``: one output tile per group, each joined row's BLAS product (``contract``, the same
+#: step) added into it (native where it can be; else a macro over ``tra_reduce`` and
+#: ``ARRAY_AGG`` of ``tra_contract_2``)
+for _dtype in FLOATS:
+    SIGNATURES[f"contract_agg_{_dtype}"] = Signature(lambda n, k: (META, KEYS, *_pairs(2)))
 
 
 def declare(kind: str, signature: Signature) -> None:
@@ -304,3 +312,10 @@ def tile_reduction(agg: str, dtype: str) -> Kernel | None:
 
 
 REDUCTIONS = tuple(Kernel(f"reduce_{agg}_{dtype}") for agg, dtype in TILE_REDUCTIONS)
+CONTRACTIONS = tuple(Kernel(f"contract_agg_{dtype}") for dtype in FLOATS)
+CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contraction aggregates fuse
+
+
+def fused_contraction(dtype: str) -> Kernel | None:
+    """The fused contraction aggregate of BLAS products of ``dtype`` tiles, or None."""
+    return Kernel(f"contract_agg_{dtype}") if dtype in FLOATS else None

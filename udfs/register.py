@@ -9,7 +9,7 @@ from collections.abc import Callable
 import duckdb
 
 from tra_sql.udfs import attention, einsum_kernels, elements, pack, placement, sparse  # noqa: F401  (their kinds)
-from tra_sql.udfs.protocol import REDUCTIONS, Kernel
+from tra_sql.udfs.protocol import CONTRACT, CONTRACTIONS, REDUCTIONS, Kernel
 from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
 
@@ -31,11 +31,18 @@ def _with_arity(function, arity: int):
 
 def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
     """Register ``kernels`` (``protocol.Kernel``s) on ``con``; a whole-tile reduction as a macro
-    over ``tra_reduce`` (registered with it) and ``ARRAY_AGG``."""
+    over ``tra_reduce`` and ``ARRAY_AGG``, a fused contraction aggregate as one over
+    ``tra_reduce`` and ``ARRAY_AGG`` of ``tra_contract_2`` (registered with them)."""
     for kernel in kernels:
         if kernel in REDUCTIONS:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, tile) AS "
                         f"{Kernel('reduce').name}(meta, keys, ARRAY_AGG(tile))").fetchall()
+            continue
+        if kernel in CONTRACTIONS:
+            operands = "keys0, tile0, keys1, tile1"
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, {operands}) AS "
+                        f"{Kernel('reduce').name}(meta, keys, ARRAY_AGG({CONTRACT.name}(meta, keys, {operands})))"
+                        ).fetchall()
             continue
         params = kernel.params
         con.create_function(

@@ -73,6 +73,7 @@ class SparkDialect(Dialect):
 
     name = "spark"
     materialized = False
+    fuses_contractions = False  # no native aggregates: split BLAS products stay partials + tra_reduce
 
     def __init__(self, limit: int = GROUP_BYTES):
         self.limit = limit  # the most bytes of tiles a group may hold in one row

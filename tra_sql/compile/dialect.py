@@ -1,21 +1,72 @@
 """How a program's SQL is written for one engine: a ``Dialect`` renders the compiled query,
-giving each kernel call a chance to take the engine's form (``call``). DuckDB's is the base;
-an engine with quirks subclasses it (Spark: ``tra_sql.backends.spark_sql.SparkDialect``)."""
+giving each kernel call a chance to take the engine's form (``call``) and, first, each split
+sum of BLAS products the form of one fused aggregate (``fuse``). DuckDB's is the base; an
+engine with quirks subclasses it (Spark: ``tra_sql.backends.spark_sql.SparkDialect``)."""
 
 from __future__ import annotations
 
 from sqlglot import exp
 
-from tra_sql.compile.blocks import call, kernels_called
-from tra_sql.udfs.protocol import Kernel, tile_reduction
+from tra_sql.compile import passes
+from tra_sql.compile.blocks import call, grouped, kernels_called
+from tra_sql.udfs.contract import gemm_form
+from tra_sql.udfs.protocol import CONTRACT, Kernel, fused_contraction, tile_reduction
+
+
+def _fusible(node: exp.Expression, kind: str) -> bool:
+    """Whether ``node`` is a kernel call of ``kind`` without epilogue, summing dense tiles."""
+    if not isinstance(node, exp.Anonymous) or "kernel" not in node.meta:
+        return False
+    kernel, step = node.meta["kernel"], node.meta["step"]
+    return (kernel.kind == kind and not kernel.epilogue and step.epilogue is None and step.agg == "sum"
+            and step.out_layout == "dense")
+
+
+def _tile(select: exp.Select) -> exp.Expression | None:
+    """The expression ``select`` selects as ``tile``."""
+    return next((e.this for e in select.expressions if isinstance(e, exp.Alias) and e.alias == "tile"), None)
 
 
 class Dialect:
-    """DuckDB: every step a ``MATERIALIZED`` CTE; a split aggregation's partial results
-    aggregated by a whole-tile reduction where there is one (``call``)."""
+    """DuckDB: every step a ``MATERIALIZED`` CTE; a split sum of BLAS products as the fused
+    contraction aggregate (``fuse``); other split aggregations' partial results aggregated by
+    a whole-tile reduction where there is one (``call``)."""
 
     name = "duckdb"
     materialized = True  # whether CTEs are written ``AS MATERIALIZED``
+    fuses_contractions = True  # whether ``fuse`` writes split sums of BLAS products as one aggregate
+
+    def fuse(self, select: exp.Select) -> exp.Select:
+        """``select`` as one grouped call of the fused contraction aggregate
+        (``protocol.CONTRACTIONS``: each joined row's product added into the group's state) if
+        it computes a split sum of BLAS products without epilogue: either ``SELECT k.., tra_reduce(
+        step, keys, ARRAY_AGG(tile)) FROM (SELECT k.., tra_contract_2(step, keys, ...) AS tile FROM
+        <join>) GROUP BY k..`` (``einsum.partials_first``) or ``SELECT k.., tra_einsum_agg_2(step,
+        keys, ARRAY_AGG({keys0, tile0, keys1, tile1})) FROM <join> GROUP BY k..`` of a step in
+        gemm form (``contract.gemm_form``), which becomes ``SELECT k.., tra_contract_agg_<dtype>(
+        step, keys, keys0, tile0, keys1, tile1) FROM <join> GROUP BY k..``."""
+        tile = _tile(select)
+        if _fusible(tile, "einsum_agg") and tile.meta["kernel"].arity == 2 \
+                and _product(tile.meta["step"]) and isinstance(tile.expressions[2], exp.ArrayAgg):
+            fields = tile.expressions[2].this.expressions
+            tile.replace(_fused(tile.meta["step"], [tile.expressions[1], *(f.expression for f in fields)]))
+            return select
+        source = select.args.get("from_")
+        if not _fusible(tile, "reduce") or not isinstance(tile.expressions[2], exp.ArrayAgg) \
+                or select.args.get("joins") or select.args.get("where") or source is None \
+                or not isinstance(source.this, exp.Subquery) or not isinstance(source.this.this, exp.Select):
+            return select
+        inner = source.this.this
+        partial = _tile(inner)
+        if partial is None or partial.meta.get("kernel") != CONTRACT or inner.args.get("group") \
+                or not _product(partial.meta["step"]):
+            return select
+        partial.replace(_fused(partial.meta["step"], partial.expressions[1:]))
+        fused = grouped(inner, [e.this for e in inner.expressions if isinstance(e, exp.Alias) and e.alias != "tile"])
+        for key in ("with_", "with"):  # the outer SELECT's CTEs, if it has them (sqlglot renamed the argument)
+            if key in select.arg_types and select.args.get(key):
+                fused.set(key, select.args[key])
+        return fused
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """The engine's form of a kernel call (``blocks.call``): ``tra_reduce(meta, keys,
@@ -31,11 +82,30 @@ class Dialect:
         return node if reduction is None else call(reduction, step, [args[1].copy(), args[2].this.copy()])
 
     def render(self, query: exp.Expression, pretty: bool = False) -> tuple[str, set[Kernel]]:
-        """``query``'s text in this dialect, with its kernel calls in their engine's form, and
-        the kernels it calls (``query`` is rewritten in place: pass a copy of your own)."""
+        """``query``'s text in this dialect, with its split sums of BLAS products fused (where
+        ``fuses_contractions``, unless ``passes.fusions`` switched ``contractions`` off) and its
+        kernel calls in their engine's form, and the kernels it calls (``query`` is rewritten in
+        place: pass a copy of your own)."""
+        if self.fuses_contractions and "contractions" in passes.enabled:
+            for select in reversed(list(query.find_all(exp.Select))):  # the innermost first
+                fused = self.fuse(select)
+                if select is query:
+                    query = fused
+                elif fused is not select:
+                    select.replace(fused)
         query = query.transform(lambda node: self.call(node)
                                 if isinstance(node, exp.Anonymous) and "kernel" in node.meta else node, copy=False)
         return query.sql(dialect=self.name, pretty=pretty), kernels_called(query)
+
+
+def _product(step) -> bool:
+    """Whether ``step``'s per-row kernel is the BLAS product (``contract.gemm_form``) of tiles
+    that a fused contraction aggregate takes."""
+    return gemm_form(step) is not None and fused_contraction(step.out_dtype) is not None
+
+
+def _fused(step, args: list[exp.Expression]) -> exp.Anonymous:
+    return call(fused_contraction(step.out_dtype), step, args)
 
 
 DUCKDB = Dialect()

@@ -41,7 +41,9 @@ def partials_first(node: Einsum) -> bool:
     """Whether a split aggregation should compute one partial result per joined row and
     aggregate those (``tra_reduce``), rather than aggregate the joined input tiles and compute
     per group (``tra_einsum_agg``): DuckDB's ``list()`` copies every byte it collects, so the
-    side with fewer bytes per joined row goes through it (unless ``fusions`` switched one off)."""
+    side with fewer bytes per joined row goes through it (unless ``fusions`` switched one off).
+    DuckDB's dialect writes a split sum of BLAS products either way as the fused contraction
+    aggregate, which lists neither (``dialect.Dialect.fuse``); Spark keeps this choice."""
     if node.layout != "dense" or "agg_inputs" not in passes.enabled:
         return True
     if "partials" not in passes.enabled:

@@ -5,7 +5,9 @@ Each fusion (``attention``, ``prologue``, ``epilogue``, ``chain``; see their mod
 pass over the DAG's steps: it takes the steps (in topological order) and the consumer counts
 of the program as written, and returns the steps with some replaced by ``Fused`` nodes;
 ``program.PASSES`` runs them in that fixed order. The two ways of a split aggregation,
-``partials`` and ``agg_inputs``, are choices of the einsum lowering (``partials_first``).
+``partials`` and ``agg_inputs``, are choices of the einsum lowering (``partials_first``);
+``contractions`` is DuckDB's dialect writing a split sum of BLAS products as the fused
+contraction aggregate (``dialect.Dialect.fuse``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from tra_sql.graph import Node
 
 #: The fusions ``Program.compile`` may make: ``attention``, ``prologue``, ``epilogue``, ``chain``;
-#: and the two ways of a split aggregation, ``partials`` and ``agg_inputs`` (see ``partials_first``).
-FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs"})
+#: the two ways of a split aggregation, ``partials`` and ``agg_inputs`` (see ``partials_first``);
+#: and the fused contraction aggregate of DuckDB's dialect, ``contractions``.
+FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs", "contractions"})
 enabled = FUSIONS
 
 
@@ -29,7 +32,8 @@ def fusions(off=()):
     not thread-safe): ``with passes.fusions(off={"epilogue"}): C.numpy()`` runs C with every
     element-wise step as a step of its own. Off ``partials``, a split aggregation always
     aggregates its input tiles (but for CSR results); off ``agg_inputs``, it always aggregates
-    the partial results; not both."""
+    the partial results; not both. Off ``contractions``, DuckDB's dialect leaves split sums of
+    BLAS products as the lowering chose them."""
     global enabled
     off = frozenset(off)
     if off - FUSIONS or {"partials", "agg_inputs"} <= off:

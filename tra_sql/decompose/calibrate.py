@@ -6,7 +6,9 @@ runs ``measure`` on a fresh database and keeps them in table ``tra_calibration``
 2. The engine: single-op programs on a fresh database file (tables in the buffer manager, as
    out-of-core runs have them), in pairs that differ mostly in one feature (rows, bytes,
    list() bytes, BLAS calls); each constant is a difference of times over a difference of
-   that feature, after the kernel's predicted share. Re-tilings give the per-piece and
+   that feature, after the kernel's predicted share. On native kernels the split product
+   runs as the fused contraction aggregate (no list(): ``cost.fusible``), so its BLAS call
+   constant is the fused update's. Re-tilings give the per-piece and
    per-byte constants by least squares (clipped at zero). Peak memory (polled from
    ``duckdb_memory()`` while each runs) gives the bytes held per byte of list() and join.
 """
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tra_sql.decompose.cost import Constants, features, kernel_seconds, retile_traffic
+from tra_sql.decompose.cost import Constants, features, fusible, kernel_seconds, retile_traffic
 from tra_sql.decompose.problem import extract
 from tra_sql.graph import Einsum
 
@@ -97,7 +99,7 @@ RUNS = {
 def engine(db: Session, threads: int, kern: dict[str, float]) -> dict[str, float]:
     """Time the ``RUNS`` and the re-tilings on ``db`` (a fresh DuckDB database); each constant
     comes from the difference between two runs that differ (mostly) in the feature it prices."""
-    c = Constants(**{**Constants().as_dict(), **kern, "threads": threads})
+    c = Constants(**{**Constants().as_dict(), **kern, "threads": threads, "fused": fused(db)})
     rng = np.random.default_rng(0)
     t, f, ops, mem_list, mem_join = {}, {}, {}, [], []
     for k, (name, (spec, join, shapes, dtype, q)) in enumerate(RUNS.items()):
@@ -109,7 +111,8 @@ def engine(db: Session, threads: int, kern: dict[str, float]) -> dict[str, float
         result = db.einsum(spec, *ts, join=join)
         op = extract(result.node).ops[0]
         assert isinstance(op.node, Einsum)
-        feats = features(op, np.array([[parts[ch] for ch in op.indices]], dtype=np.int64))
+        feats = features(op, np.array([[parts[ch] for ch in op.indices]], dtype=np.int64),
+                         bool(c.fused) and fusible(op))
         f[name] = {key: float(v[0]) for key, v in feats.items()}
         f[name]["kernel"] = float(kernel_seconds(op, feats, c, threads)[0])
         ops[name] = op
@@ -171,4 +174,9 @@ def measure(db: Session, threads: int) -> Constants:
     kern = kernels()
     fitted = engine(db, threads, kern)
     fitted.pop("measured", None)
-    return Constants.from_dict({**Constants().as_dict(), **kern, **fitted, "threads": threads})
+    return Constants.from_dict({**Constants().as_dict(), **kern, **fitted, "threads": threads, "fused": fused(db)})
+
+
+def fused(db: Session) -> int:
+    """``Constants.fused`` of ``db``'s engine: 1 where its kernels are native."""
+    return int(db.engine.kernels == "native")

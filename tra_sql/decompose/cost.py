@@ -15,6 +15,8 @@ import numpy as np
 
 from tra_sql.decompose.problem import Op
 from tra_sql.errors import SpecError
+from tra_sql.udfs.contract import gemm_form
+from tra_sql.udfs.protocol import EinsumStep
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Constants:
     list_block: float = 262144  # under memory pressure DuckDB 2.0 keeps each list() element of blobs in
     #                             a 256 KiB block of its own (measured: 489 tiles of 32 KiB need 128 MB)
     threads: int = 2
+    fused: int = 0  # 1: split sums of BLAS products run as the fused contraction aggregate (``fusible``)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -49,7 +52,7 @@ class Constants:
     @classmethod
     def from_dict(cls, values: dict[str, float]) -> Constants:
         known = {f.name: f.type for f in fields(cls)}
-        kw = {k: (int(v) if k == "threads" else float(v)) for k, v in values.items() if k in known}
+        kw = {k: (int(v) if k in ("threads", "fused") else float(v)) for k, v in values.items() if k in known}
         return cls(**kw)
 
 
@@ -118,11 +121,24 @@ def scan_memory(tile_bytes, rows):
 LINEAR = ("stmt", "row", "group", "blas_call", "join_byte", "list_byte", "out_byte")
 
 
-def features(op: Op, Q: np.ndarray) -> dict[str, np.ndarray]:
+def fusible(op: Op) -> bool:
+    """Whether a split sum of ``op`` runs as the fused contraction aggregate where the engine
+    has it (``Constants.fused``): a plain BLAS product of dense tiles (``contract.gemm_form``
+    of the step the compiler writes), each joined row's product added into its group's state,
+    no partial product written and nothing in a list()."""
+    node = op.node
+    layouts = tuple(x.layout for x in node.operands)
+    step = EinsumStep(node.spec.inputs, node.spec.output, node.sizes, node.tiles,
+                      tuple(x.dtype.name for x in node.operands), node.dtype.name, (), node.join, node.agg,
+                      () if set(layouts) == {"dense"} else layouts)
+    return node.layout == "dense" and gemm_form(step) is not None
+
+
+def features(op: Op, Q: np.ndarray, fused: bool = False) -> dict[str, np.ndarray]:
     """What an op does under each partition vector (row of ``Q``), in units the constants
     price: statements, joined rows (kernel calls), groups of a split aggregation, bytes
-    through the join, bytes through list(), output bytes; plus what the kernel and memory
-    terms need."""
+    through the join, bytes through list() (none where the op is ``fused``: see ``fusible``),
+    output bytes; plus what the kernel and memory terms need."""
     n = np.array(op.sizes, dtype=np.float64)
     Qf = Q.astype(np.float64)
     joins = np.prod(Qf, axis=1)
@@ -135,7 +151,7 @@ def features(op: Op, Q: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "stmt": np.ones(len(Q)), "row": joins, "group": np.where(split, n_out, 0.0),
         "blas_call": joins if op.blas else np.zeros(len(Q)), "join_byte": join_bytes,
-        "list_byte": np.where(split, join_bytes, 0.0), "out_byte": np.full(len(Q), float(op.out_bytes)),
+        "list_byte": np.where(split & (not fused), join_bytes, 0.0), "out_byte": np.full(len(Q), float(op.out_bytes)),
         "agg_parts": agg_parts, "n_out": n_out, "in_tile": in_tile,
         "tile_flops": 2.0 * np.prod(np.ceil(n / Qf), axis=1) if len(n) else np.full(len(Q), 2.0),
     }
@@ -161,19 +177,29 @@ def op_cost(op: Op, Q: np.ndarray, c: Constants, budget: Budget) -> OpCost:
     statements (bands over the aggregated indices), each reading its tiles through a key
     index (only the band's tiles are loaded) and adding the partial result of the bands
     before it (one more output tile per worker). Infeasible (``inf``): one joined row of
-    tiles does not fit a worker."""
-    f = features(op, Q)
+    tiles does not fit a worker.
+
+    A fused op (``c.fused`` and ``fusible``) holds no list: instead each group's state, one
+    output tile (``malloc``ed: outside DuckDB's memory_limit, so charged here), as many times
+    as threads aggregate the group at once (DuckDB's hash aggregate keeps a state per group in
+    each thread's table until it combines them). Its groups are split across statements as a
+    list's would be (conservative: a worker holds one joined row at a time)."""
+    fused = bool(c.fused) and fusible(op)
+    f = features(op, Q, fused)
     out_bytes = float(op.out_bytes)
     out_tile = out_bytes / f["n_out"]
     whole = [float(x.nbytes) for x in op.inputs]
     build = (sum(whole) - max(whole)) if whole else 0.0
     split = f["agg_parts"] > 1
-    listed = list_memory(f["row"], f["in_tile"], c)  # every joined row in a list
     row_mem = np.maximum(f["in_tile"] * c.mem_list, c.list_block)
     rows_fit = np.maximum(np.floor((budget.memory - 2 * out_tile) / row_mem), 1.0)  # joined rows a worker holds
     agg_bands = np.where(split, np.ceil(f["agg_parts"] / np.minimum(rows_fit, f["agg_parts"])), 1.0)
-    # bands of one tile per aggregated index run unsplit: nothing in a list()
-    working_set = np.where(split & (agg_bands < f["agg_parts"]), listed, 0.0) + build * c.mem_join + out_bytes
+    if fused:
+        held = out_bytes * np.minimum(budget.workers, np.ceil(f["agg_parts"] / agg_bands))  # the states
+    else:
+        held = list_memory(f["row"], f["in_tile"], c)  # every joined row in a list
+    # bands of one tile per aggregated index run unsplit: nothing in a list(), no state
+    working_set = np.where(split & (agg_bands < f["agg_parts"]), held, 0.0) + build * c.mem_join + out_bytes
     piece = np.where(split, np.ceil(f["agg_parts"] / agg_bands), 1.0) * f["in_tile"] + out_tile
     piece = piece + np.where(agg_bands > 1, out_tile, 0.0)
     scans = 0.0  # every band scans its inputs: the vectors it touches, or its own tiles by key

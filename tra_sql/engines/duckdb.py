@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
 import duckdb
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 UDF_ERROR = re.compile(r"(?:Python exception occurred while executing the UDF:|" + re.escape(ERROR_PREFIX.strip())
                        + r") (\w+): (.*)", re.S)
 CALIBRATION = "tra_calibration"  # the planner's constants measured on this database
+#: kernels whose split sums the dialect may write as a fused contraction aggregate: those come
+#: with them (their Arrow macros call ``tra_contract_2``)
+FUSED_FROM = frozenset({protocol.CONTRACT, protocol.Kernel("einsum_agg", 2)})
 
 
 def translate(err: duckdb.Error, what: str) -> TraError:
@@ -95,6 +99,15 @@ class DuckDBEngine(Engine):
         if self.native:
             self.native.close()
         self.con.close()
+
+    def ensure_kernels(self, kernels) -> None:
+        """``Engine.ensure_kernels``, with the fused contraction aggregates (and the product
+        their Arrow macros call) for a program whose split sums of BLAS products the dialect
+        may fuse (``FUSED_FROM``)."""
+        kernels = set(kernels)
+        if kernels & FUSED_FROM:
+            kernels |= {*protocol.CONTRACTIONS, protocol.CONTRACT}
+        super().ensure_kernels(kernels)
 
     def register_kernels(self, kernels: list) -> None:
         native = [k for k in kernels if self.native and self.native.implements(k)]
@@ -238,13 +251,13 @@ class DuckDBEngine(Engine):
         """Half of DuckDB's memory_limit: materialized CTEs stay in memory; staging tables spill."""
         return parse_bytes(str(self.setting("memory_limit")).replace(" ", "")) / 2
 
-    def constants(self) -> Constants | None:
+    def constants(self) -> Constants:
+        """The constants ``calibrate`` kept in this database, else the defaults; ``fused`` as
+        this session's kernels have it (native: split BLAS sums in the fused aggregate's state)."""
         found = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND database_name = "
                                  "current_database()", [CALIBRATION]).fetchall()[0][0]
-        if not found:
-            return None
-        rows = self.con.execute(f"SELECT name, value FROM {CALIBRATION}").fetchall()
-        return Constants.from_dict(dict(rows)) if rows else None
+        rows = self.con.execute(f"SELECT name, value FROM {CALIBRATION}").fetchall() if found else []
+        return replace(Constants.from_dict(dict(rows)) if rows else Constants(), fused=int(self.kernels == "native"))
 
     def save_constants(self, consts: Constants) -> None:
         """Keep ``consts`` in table ``tra_calibration``."""
@@ -259,7 +272,7 @@ class DuckDBEngine(Engine):
         threads = int(self.setting("threads"))
         with tempfile.TemporaryDirectory() as tmp, \
                 type(session)(DuckDBEngine.open(f"{tmp}/calibrate.duckdb", threads=threads)) as probe:
-            consts = calibrate.measure(probe, threads)
+            consts = replace(calibrate.measure(probe, threads), fused=int(self.kernels == "native"))
         try:
             self.save_constants(consts)
         except duckdb.Error:

@@ -7,7 +7,8 @@ and a tile of another size or a NULL one is a ``CorruptTileError``.
 The state (16 bytes in DuckDB's state memory) holds the address and length of a buffer of its
 own (``malloc``): DuckDB's ``memory_limit`` does not count it and DuckDB cannot spill it
 (``tra_sql.decompose.cost`` charges it). One set of callbacks serves every kind; a function's
-extra info says its aggregate and dtype (``OPS``)."""
+extra info says its aggregate and dtype (``OPS``). The fused contraction aggregate (``fused``)
+has the same state, combine and finalize, with an update of its own."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _combine(ops, target, source, nbytes):
 
 
 @njit(cache=True)
-def _error(info, text):
+def corrupt(info, text):
     """Set the call's error: a ``CorruptTileError`` saying ``text``."""
     out = np.zeros(len(CORRUPT) + len(text) + 1, np.uint8)
     put_text(out, put_text(out, 0, CORRUPT), text)
@@ -86,21 +87,21 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
     item = 4 if ops[1] == 0 else 8
     for row in range(n):
         if not valid(validity, row):
-            _error(info, np.frombuffer(b"a partial result tile is NULL", np.uint8))
+            corrupt(info, np.frombuffer(b"a partial result tile is NULL", np.uint8))
             return
         at, held = blob(data, row)
         state = u64(pointers[row], 2)
         if held % item:
-            _error(info, np.frombuffer(b"a partial result tile's size is not "
-                                       b"a whole number of elements", np.uint8))
+            corrupt(info, np.frombuffer(b"a partial result tile's size is not "
+                                        b"a whole number of elements", np.uint8))
             return
         if state[0] == 0:
             state[0] = malloc(max(held, 1))
             state[1] = held
             memcpy(state[0], at, held)
         elif state[1] != held:
-            _error(info, np.frombuffer(b"partial result tiles of one output "
-                                       b"tile differ in size", np.uint8))
+            corrupt(info, np.frombuffer(b"partial result tiles of one output "
+                                        b"tile differ in size", np.uint8))
             return
         else:
             _combine(ops, state[0], at, held)
@@ -119,8 +120,8 @@ def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
             target[0], target[1] = source[0], source[1]
             source[0], source[1] = 0, 0
         elif target[1] != source[1]:
-            _error(info, np.frombuffer(b"partial result tiles of one output "
-                                       b"tile differ in size", np.uint8))
+            corrupt(info, np.frombuffer(b"partial result tiles of one output "
+                                        b"tile differ in size", np.uint8))
             return
         else:
             _combine(ops, target[0], source[0], target[1])
@@ -148,5 +149,3 @@ def DESTROY(states_ptr, count):
             free(state[0])
             state[0] = 0
 
-
-CALLBACKS = (STATE_SIZE, INIT, UPDATE, COMBINE, FINALIZE)

@@ -4,8 +4,10 @@ joined row, computed by NumPy's ``cblas_?gemm`` from the operand tiles where Duc
 ``plan`` turns a step (``protocol.EinsumStep`` with a ``contract.GemmForm``) into the int64
 array a call's bind data points to; ``KERNEL`` is the DuckDB scalar function callback
 (function info, input chunk, output vector) that reads it. Every tile is checked against the
-step's geometry before it is read: a NULL, a wrong length or a key outside the grid is reported
-through DuckDB's error call as a ``CorruptTileError`` naming the tensor and the tile."""
+step's geometry before it is read (``operands``, which the fused aggregate of ``fused`` shares):
+a NULL, a wrong length, a key outside the grid or two tiles whose shared indices differ in
+extent is reported through DuckDB's error call as a ``CorruptTileError`` naming the tensor and
+the tile."""
 
 from __future__ import annotations
 
@@ -57,10 +59,20 @@ def _put_ints(out, at, values, rank):
 
 
 @njit(cache=True)
-def _report(info, plan, which, keys, rank, what, held, need, extents):
+def set_error(info, aggregate, message) -> None:
+    """Set the error of a scalar function's call or (``aggregate``) an aggregate's."""
+    if aggregate:
+        C.duckdb_aggregate_function_set_error(info, message.ctypes.data)
+    else:
+        C.duckdb_scalar_function_set_error(info, message.ctypes.data)
+
+
+@njit(cache=True)
+def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
     ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
-    tensor's grid (2) or NULL keys (3)."""
+    tensor's grid (2), NULL keys (3), or an extent of an index it shares with the other
+    operand's tile other than that tile's (4)."""
     text = u8(plan[7], plan[8 + 2 * 2] + plan[9 + 2 * 2] + 1)
     out = np.zeros(MESSAGE, np.uint8)
     at = put_text(out, 0, CORRUPT)
@@ -77,6 +89,10 @@ def _report(info, plan, which, keys, rank, what, held, need, extents):
         at = put_text(out, at, np.frombuffer(b"' is outside the tensor's tile grid", np.uint8))
     elif what == 3:
         at = put_text(out, at, np.frombuffer(b"' has NULL keys", np.uint8))
+    elif what == 4:
+        at = put_text(out, at, np.frombuffer(b"' differs in a shared index's extent from the tile of '", np.uint8))
+        at = put_text(out, at, text[plan[10]: plan[10] + plan[11]])
+        at = put_text(out, at, np.frombuffer(b"' joined with it", np.uint8))
     else:
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
@@ -87,7 +103,7 @@ def _report(info, plan, which, keys, rank, what, held, need, extents):
         at = put_text(out, at, np.frombuffer(b" need ", np.uint8))
         at = put_int(out, at, need)
     out[at] = 0
-    C.duckdb_scalar_function_set_error(info, out.ctypes.data)
+    set_error(info, aggregate, out)
 
 
 @njit(cache=True)
@@ -104,7 +120,7 @@ def _extents(plan, first, rank, keys, extents) -> bool:
 
 
 @njit(cache=True)
-def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
+def _operand(info, aggregate, plan, which, chunk, row, extents, sizes) -> np.uint64:
     """The address of operand ``which``'s tile at ``row`` after checking it (its extents into
     ``extents``, its (batch, free, contracted) sizes into ``sizes``), or 0 with the error set."""
     rank = plan[2 + which]
@@ -112,17 +128,17 @@ def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
     keys_vec = C.duckdb_data_chunk_get_vector(chunk, 2 + 2 * which)
     tiles_vec = C.duckdb_data_chunk_get_vector(chunk, 3 + 2 * which)
     if not valid(C.duckdb_vector_get_validity(keys_vec), row):
-        _report(info, plan, which, extents, 0, 3, 0, 0, extents)
+        _report(info, aggregate, plan, which, extents, 0, 3, 0, 0, extents)
         return np.uint64(0)
     entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)  # (offset, length)
     child = C.duckdb_list_vector_get_child(keys_vec)
     keys = i64(C.duckdb_vector_get_data(child), entry[0] + entry[1])[entry[0]: entry[0] + entry[1]]
     for d in range(entry[1]):
         if not valid(C.duckdb_vector_get_validity(child), entry[0] + d):
-            _report(info, plan, which, extents, 0, 3, 0, 0, extents)
+            _report(info, aggregate, plan, which, extents, 0, 3, 0, 0, extents)
             return np.uint64(0)
     if entry[1] != rank or not _extents(plan, first, rank, keys, extents):
-        _report(info, plan, which, keys, min(rank, entry[1]), 2, 0, 0, extents)
+        _report(info, aggregate, plan, which, keys, min(rank, entry[1]), 2, 0, 0, extents)
         return np.uint64(0)
     sizes[:] = 1
     need = plan[1]
@@ -130,18 +146,38 @@ def _operand(info, plan, which, chunk, row, extents, sizes) -> np.uint64:
         sizes[plan[first + 3 * d + 2]] *= extents[d]
         need *= extents[d]
     if not valid(C.duckdb_vector_get_validity(tiles_vec), row):
-        _report(info, plan, which, keys, rank, 0, 0, need, extents)
+        _report(info, aggregate, plan, which, keys, rank, 0, 0, need, extents)
         return np.uint64(0)
     at, held = blob(C.duckdb_vector_get_data(tiles_vec), row)
     if held != need:
-        _report(info, plan, which, keys, rank, 1, held, need, extents)
+        _report(info, aggregate, plan, which, keys, rank, 1, held, need, extents)
         return np.uint64(0)
     return at
 
 
 @njit(cache=True)
-def _gemm(plan, a, b, out, batch, m, n, k) -> None:
-    """``out`` = the batched product of tiles at ``a`` and ``b`` (addresses)."""
+def operands(info, aggregate, plan, chunk, row, extents_a, extents_b, sizes_a, sizes_b):
+    """The addresses of both operands' tiles at ``row`` after checking them (see ``_operand``;
+    the indices they share must have one extent), or (0, 0) with the error set."""
+    a = _operand(info, aggregate, plan, 0, chunk, row, extents_a, sizes_a)
+    if a == 0:
+        return np.uint64(0), np.uint64(0)
+    b = _operand(info, aggregate, plan, 1, chunk, row, extents_b, sizes_b)
+    if b == 0:
+        return np.uint64(0), np.uint64(0)
+    if sizes_a[0] != sizes_b[0] or sizes_a[2] != sizes_b[2]:
+        keys_vec = C.duckdb_data_chunk_get_vector(chunk, 2)
+        entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)
+        keys = i64(C.duckdb_vector_get_data(C.duckdb_list_vector_get_child(keys_vec)), entry[0] + entry[1])
+        _report(info, aggregate, plan, 0, keys[entry[0]:], plan[2], 4, 0, 0, extents_a)
+        return np.uint64(0), np.uint64(0)
+    return a, b
+
+
+@njit(cache=True)
+def gemm(plan, a, b, out, batch, m, n, k, beta) -> None:
+    """``out`` = the batched product of tiles at ``a`` and ``b`` (addresses) plus ``beta``
+    times ``out``."""
     trans_a, trans_b, swap, item = plan[4], plan[5], plan[6], np.uint64(plan[1])
     lda = m if trans_a else k
     ldb = k if trans_b else n
@@ -152,15 +188,15 @@ def _gemm(plan, a, b, out, batch, m, n, k) -> None:
         if swap:  # out = (a b)^T = b^T a^T, (n, m)
             ta, tb = (NO_TRANS if trans_b else TRANS), (NO_TRANS if trans_a else TRANS)
             if plan[0] == 0:
-                SGEMM(ROW_MAJOR, ta, tb, n, m, k, np.float32(1), bz, ldb, az, lda, np.float32(0), cz, m)
+                SGEMM(ROW_MAJOR, ta, tb, n, m, k, np.float32(1), bz, ldb, az, lda, np.float32(beta), cz, m)
             else:
-                DGEMM(ROW_MAJOR, ta, tb, n, m, k, 1.0, bz, ldb, az, lda, 0.0, cz, m)
+                DGEMM(ROW_MAJOR, ta, tb, n, m, k, 1.0, bz, ldb, az, lda, np.float64(beta), cz, m)
         else:
             ta, tb = (TRANS if trans_a else NO_TRANS), (TRANS if trans_b else NO_TRANS)
             if plan[0] == 0:
-                SGEMM(ROW_MAJOR, ta, tb, m, n, k, np.float32(1), az, lda, bz, ldb, np.float32(0), cz, n)
+                SGEMM(ROW_MAJOR, ta, tb, m, n, k, np.float32(1), az, lda, bz, ldb, np.float32(beta), cz, n)
             else:
-                DGEMM(ROW_MAJOR, ta, tb, m, n, k, 1.0, az, lda, bz, ldb, 0.0, cz, n)
+                DGEMM(ROW_MAJOR, ta, tb, m, n, k, 1.0, az, lda, bz, ldb, np.float64(beta), cz, n)
 
 
 @cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
@@ -173,11 +209,8 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
     sizes_a, sizes_b = np.empty(3, np.int64), np.empty(3, np.int64)
     scratch = np.empty(0, np.uint8)
     for row in range(C.duckdb_data_chunk_get_size(chunk)):
-        a = _operand(info, plan, 0, chunk, row, extents_a, sizes_a)
+        a, b = operands(info, False, plan, chunk, row, extents_a, extents_b, sizes_a, sizes_b)
         if a == 0:
-            return
-        b = _operand(info, plan, 1, chunk, row, extents_b, sizes_b)
-        if b == 0:
             return
         batch, m, k, n = sizes_a[0], sizes_a[1], sizes_a[2], sizes_b[1]
         nbytes = batch * m * n * plan[1]
@@ -186,6 +219,6 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
         out = scratch.ctypes.data
         if nbytes:
             lock(np.uint64(plan[14]))  # BLAS uses every core: one product at a time
-            _gemm(plan, a, b, out, batch, m, n, k)
+            gemm(plan, a, b, out, batch, m, n, k, 0.0)
             unlock(np.uint64(plan[14]))
         C.duckdb_vector_assign_string_element_len(output, row, out, nbytes)

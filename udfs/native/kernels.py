@@ -4,7 +4,9 @@ implementation) through the C API; every other kind stays an Arrow UDF (``udfs.r
 
 A native scalar kernel is specialised per step when DuckDB binds a call: the bind callback
 reads the call's constant step argument, and the call's bind data points to the step's plan
-(an int64 array this object keeps for the connection's life)."""
+(an int64 array this object keeps for the connection's life). Aggregates have no bind: the
+fused contraction aggregate (``fused``) asks this object for a step's plan while it runs, by
+the step's text (``_lookup``)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tra_sql.errors import SpecError
 from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
-from tra_sql.udfs.protocol import REDUCTIONS, EinsumStep, Kernel
+from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -85,8 +87,10 @@ class NativeKernels:
         self.same = same  # the identity bind-data copy callback
         self.plans: dict[tuple[str, str], tuple[np.ndarray, ...]] = {}
         self._lock = threading.Lock()
-        # one bind callback per kind, kept alive while DuckDB may call them
+        # one bind callback per kind and the fused aggregates' plan lookup, kept alive while DuckDB may call them
         self._binds = {kind: _BIND(partial(self._bind_call, kind)) for kind in NATIVE}
+        self._extra: dict[Kernel, np.ndarray] = {}  # the aggregates' extra info
+        self._lookup_callback = None
 
     @classmethod
     def attach(cls, con: duckdb.DuckDBPyConnection) -> NativeKernels | None:
@@ -104,12 +108,16 @@ class NativeKernels:
 
     @staticmethod
     def implements(kernel: Kernel) -> bool:
-        return kernel.kind in NATIVE or kernel in REDUCTIONS
+        return kernel.kind in NATIVE or kernel in REDUCTIONS or kernel in CONTRACTIONS
 
     def register(self, kernel: Kernel) -> None:
-        """Register ``kernel`` (a kind of ``NATIVE`` or a whole-tile reduction) under its SQL name."""
+        """Register ``kernel`` (a kind of ``NATIVE``, a whole-tile reduction or a fused
+        contraction aggregate) under its SQL name."""
         if kernel in REDUCTIONS:
             self._register_reduction(kernel)
+            return
+        if kernel in CONTRACTIONS:
+            self._register_contraction(kernel)
             return
         native = NATIVE[kernel.kind]
         function = CAPI.duckdb_create_scalar_function()
@@ -130,19 +138,52 @@ class NativeKernels:
         from tra_sql.udfs.native import aggregate  # compiled (or read from Numba's cache) when first registered
 
         _, agg, dtype = kernel.kind.split("_")
+        self._register_aggregate(kernel, aggregate.UPDATE, aggregate.OPS[agg, dtype])
+
+    def _register_contraction(self, kernel: Kernel) -> None:
+        """The fused contraction aggregate of one dtype (``fused``)."""
+        from tra_sql.udfs.native import fused  # compiled (or read from Numba's cache) when first registered
+
+        if self._lookup_callback is None:
+            self._lookup_callback = fused.LOOKUP(self._lookup)
+        lookup = ctypes.cast(self._lookup_callback, ctypes.c_void_p).value
+        self._register_aggregate(kernel, fused.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))
+
+    def _register_aggregate(self, kernel: Kernel, update, extra: np.ndarray) -> None:
+        """An aggregate function with a whole-tile sum's state (``aggregate``), ``update`` folding
+        rows into it and ``extra`` (kept while the database may call it) as its extra info."""
+        from tra_sql.udfs.native import aggregate
+
+        self._extra[kernel] = extra
         function = CAPI.duckdb_create_aggregate_function()
         try:
             CAPI.duckdb_aggregate_function_set_name(function, kernel.name.encode())
             _declare(kernel, function, CAPI.duckdb_aggregate_function_add_parameter,
                      CAPI.duckdb_aggregate_function_set_return_type)
             CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
-            CAPI.duckdb_aggregate_function_set_functions(function, *(c.address for c in aggregate.CALLBACKS))
+            CAPI.duckdb_aggregate_function_set_functions(
+                function, *(c.address for c in (aggregate.STATE_SIZE, aggregate.INIT, update, aggregate.COMBINE,
+                                                 aggregate.FINALIZE)))
             CAPI.duckdb_aggregate_function_set_destructor(function, aggregate.DESTROY.address)
-            CAPI.duckdb_aggregate_function_set_extra_info(function, aggregate.OPS[agg, dtype].ctypes.data, None)
+            CAPI.duckdb_aggregate_function_set_extra_info(function, extra.ctypes.data, None)
             if CAPI.duckdb_register_aggregate_function(self.connection, function) != 0:
                 raise RuntimeError(f"DuckDB refused native aggregate {kernel.name}")
         finally:
             CAPI.duckdb_destroy_aggregate_function(ctypes.byref(ctypes.c_void_p(function)))
+
+    def _lookup(self, at: int, length: int) -> int:
+        """The fused aggregates' callback (``fused.LOOKUP``): the address of the ``fused.found``
+        record of the step text at ``at``, built once per text (0 only if that fails)."""
+        try:
+            from tra_sql.udfs.native import fused
+
+            text = ctypes.string_at(at, length).decode(errors="replace")
+            with self._lock:
+                if ("contract_agg", text) not in self.plans:
+                    self.plans["contract_agg", text] = fused.found(text)
+                return self.plans["contract_agg", text][0].ctypes.data
+        except Exception:  # an exception must not cross into DuckDB
+            return 0
 
     def _bind_call(self, kind: str, info: int) -> None:
         """DuckDB binds a call of ``kind``: the plan of its step becomes the call's bind data

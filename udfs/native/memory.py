@@ -5,6 +5,7 @@ into byte buffers (DuckDB copies the text of an error it is given)."""
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
@@ -15,6 +16,17 @@ def address(typingctx, pointer):
     def codegen(context, builder, signature, args):
         return builder.ptrtoint(args[0], context.get_value_type(types.uint64))
     return types.uint64(pointer), codegen
+
+
+@intrinsic
+def call2(typingctx, function, first, second):
+    """``function(first, second)``: a C function at address ``function`` taking and returning
+    ``uint64``s (a ctypes callback whose address is known only when the process runs)."""
+    def codegen(context, builder, signature, args):
+        word = ir.IntType(64)
+        pointer = builder.inttoptr(args[0], ir.FunctionType(word, [word, word]).as_pointer())
+        return builder.call(pointer, [args[1], args[2]])
+    return types.uint64(types.uint64, types.uint64, types.uint64), codegen
 
 
 def _pointer_to(item: types.Type):

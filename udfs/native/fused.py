@@ -1,0 +1,111 @@
+"""The fused contraction aggregate (kinds ``contract_agg_<dtype>``, ``protocol.CONTRACTIONS``):
+``tra_contract_agg_float32(step, keys, keys0, tile0, keys1, tile1)`` over a group's joined
+rows multiplies each row's pair of tiles straight into the group's state (``?gemm`` with
+beta = 1; the first with beta = 0), so no partial product is ever a BLOB. Its state is a
+whole-tile sum's (``aggregate``: the output tile ``malloc``ed, outside DuckDB's memory_limit):
+combine adds states element-wise, finalize writes each tile once.
+
+DuckDB's C API gives aggregates no bind callback, so one function per dtype serves every
+step: its update reads the step text of its first argument and asks the binding for that
+step's plan (``contract.plan``, the scalar product's) through a callback (``LOOKUP``: text
+address and length to the address of a ``found`` record), once per chunk and whenever the text
+changes; the binding builds each plan once and keeps it. A text that is not a native BLAS
+product's step, or one of another dtype, is an error, and every tile is checked against the
+plan before it is read (``contract.operands``), so a call written by hand with any arguments
+fails cleanly."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import cfunc, types
+
+from tra_sql.udfs.cores import lock, unlock
+from tra_sql.udfs.native import contract
+from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
+from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.contract import HEADER, gemm, operands, set_error
+from tra_sql.udfs.native.memory import ERROR_PREFIX, address, blob, call2, i64, u8, u64, valid
+from tra_sql.udfs.protocol import EinsumStep
+
+LOOKUP = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
+EXTRA = 3  # words of a function's extra info: fold (sum), dtype code, the LOOKUP callback's address
+
+
+def extra_info(dtype: str, lookup: int) -> np.ndarray:
+    """The extra info of the ``dtype`` function: the whole-tile sum's (``aggregate.OPS``), then
+    the address of the binding's ``LOOKUP`` callback."""
+    return np.array([AGGS["sum"], DTYPES[dtype], lookup], dtype=np.int64)
+
+
+def found(text: str) -> tuple[np.ndarray, ...]:
+    """What ``LOOKUP`` answers for step text ``text`` (its first array's address): a word 0,
+    then the step's plan (the arrays after it: what the plan points to); or a word 1, the
+    length of an error message, then the message and a NUL."""
+    try:
+        product, names = contract.plan(EinsumStep.decode(text))
+    except Exception as err:  # not a native product's step: the update reports it
+        message = f"{ERROR_PREFIX}{type(err).__name__}: the step of a fused contraction: {err}".encode()
+        record = np.zeros(16 + len(message) + 1, dtype=np.uint8)
+        record[:16] = np.array([1, len(message)], dtype=np.int64).view(np.uint8)
+        record[16:16 + len(message)] = np.frombuffer(message, np.uint8)
+        return (record,)
+    return np.concatenate([np.zeros(1, np.int64), product]), names
+
+
+@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+def UPDATE(info_ptr, chunk_ptr, states_ptr):
+    info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
+    extra = i64(C.duckdb_aggregate_function_get_extra_info(info), EXTRA)
+    steps = C.duckdb_data_chunk_get_vector(chunk, 0)
+    texts, validity = C.duckdb_vector_get_data(steps), C.duckdb_vector_get_validity(steps)
+    rows = C.duckdb_data_chunk_get_size(chunk)
+    pointers = u64(states, rows)
+    text_at, text_length = np.uint64(0), np.int64(-1)
+    plan_at = np.uint64(0)
+    extents_a, extents_b = np.empty(0, np.int64), np.empty(0, np.int64)
+    sizes_a, sizes_b = np.empty(3, np.int64), np.empty(3, np.int64)
+    for row in range(rows):
+        if not valid(validity, row):
+            corrupt(info, np.frombuffer(b"the step of a fused contraction is NULL", np.uint8))
+            return
+        at, length = blob(texts, row)
+        if at != text_at or length != text_length:  # a new step text: its plan from the binding
+            record = call2(np.uint64(extra[2]), at, np.uint64(length))
+            if record == 0:  # the callback failed (it answers every text otherwise)
+                corrupt(info, np.frombuffer(b"no plan for the step of a fused contraction", np.uint8))
+                return
+            if i64(record, 1)[0] != 0:
+                size = i64(record, 2)[1]
+                set_error(info, True, u8(record + np.uint64(16), size + 1))
+                return
+            plan_at = record + np.uint64(8)
+            head = i64(plan_at, HEADER)
+            if head[0] != extra[1]:
+                corrupt(info, np.frombuffer(b"the step of a fused contraction has another dtype than the function",
+                                            np.uint8))
+                return
+            extents_a, extents_b = np.empty(head[2], np.int64), np.empty(head[3], np.int64)
+            text_at, text_length = at, length
+        head = i64(plan_at, HEADER)
+        plan = i64(plan_at, HEADER + 3 * (head[2] + head[3]))
+        a, b = operands(info, True, plan, chunk, row, extents_a, extents_b, sizes_a, sizes_b)
+        if a == 0:
+            return
+        batch, m, k, n = sizes_a[0], sizes_a[1], sizes_a[2], sizes_b[1]
+        nbytes = batch * m * n * plan[1]
+        state = u64(pointers[row], 2)
+        beta = 1.0
+        if state[0] == 0:
+            state[0] = malloc(max(nbytes, 1))
+            state[1] = nbytes
+            beta = 0.0
+        elif state[1] != nbytes:
+            corrupt(info, np.frombuffer(b"the products of one output tile differ in size", np.uint8))
+            return
+        if nbytes:
+            lock(np.uint64(plan[14]))  # BLAS uses every core: one product at a time
+            gemm(plan, a, b, state[0], batch, m, n, k, beta)
+            unlock(np.uint64(plan[14]))
+
