@@ -21,6 +21,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
 from tra_sql.backends import spark_jobs, spark_sql, transfer  # noqa: E402
+from tra_sql.backends.spark import TILE_COPIES  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
@@ -151,7 +152,7 @@ def expected(full: bool = True):
 
 def test_connect_and_budget(sdb):
     assert sdb.engine.name == "spark" and isinstance(sdb, tra_sql.Session)
-    assert sdb.engine.budget() == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2))  # the driver's, 2 cores
+    assert sdb.engine.budget() == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2 / TILE_COPIES))  # the driver's
     assert sdb.engine.budget(4, "1GB") == (4, 1e9)
 
 
@@ -474,7 +475,7 @@ def test_relation_and_sparse_gradient(sdb, duck):
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
 
 def test_cluster_equals_duckdb(cdb, duck):
-    usable = (512 - 300) * 2**20 * 0.6  # of a 512m executor's heap, Spark's tasks' share (1 core each)
+    usable = (512 - 300) * 2**20 * 0.6 / TILE_COPIES  # of a 512m executor's heap, Spark's tasks' share (1 core each)
     assert cdb.engine.executors() == 2 and cdb.engine.budget() == (2, pytest.approx(usable))
     plan = cdb.plan(cdb.einsum("ij,jk->ik", *(cdb.from_numpy(f"k{n}", np.ones((64, 64)), replace=True)
                                                for n in "PQ")))

@@ -38,6 +38,10 @@ from tra_sql.errors import ExecutionError, TraError
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
+#: A task holds each tile it works on about this many times at once in its executor's heap (the
+#: Parquet reader's column batch, grown by doubling; the row around each Python UDF and its
+#: result): an MLP step in 512m executors ran with 16 MiB feature tiles, not with 24 MiB.
+TILE_COPIES = 6
 #: Settings under which a program runs as one Spark job (``SparkEngine.steps``): adaptive
 #: execution runs every shuffle stage as a job of its own, and each broadcast join and each
 #: runtime Bloom filter (a scalar subquery) is a job too; without them the plan's stages run in
@@ -127,6 +131,7 @@ class SparkEngine(Engine):
     name: ClassVar[str] = "spark"
     dialect: ClassVar[str] = "spark"
     staged: ClassVar[bool] = True
+    spills: ClassVar[bool] = True
 
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
@@ -322,7 +327,8 @@ class SparkEngine(Engine):
     def budget(self, workers: int | None = None, memory=None) -> tuple[int, float]:
         """(workers, bytes per worker) for EinDecomp: the total executor cores (``local[N]``:
         N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
-        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores."""
+        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores, in
+        bytes of tiles (over ``TILE_COPIES``)."""
         conf = self.spark.sparkContext.getConf()
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
@@ -339,7 +345,7 @@ class SparkEngine(Engine):
         if memory is not None:
             return int(workers or cores), parse_bytes(memory)
         usable = (jvm_bytes(heap) - RESERVED) * float(conf.get("spark.memory.fraction", "0.6"))
-        return int(workers or cores), max(usable, 0.0) / per_executor
+        return int(workers or cores), max(usable, 0.0) / per_executor / TILE_COPIES
 
     def constants(self) -> Constants | None:
         return self._constants
