@@ -53,7 +53,7 @@ def test_out_of_core_bands_accumulate(sdb):
                    sdb.from_numpy("oB", B, tile=(32, 12), replace=True))
     plan = sdb.plan(C, workers=2, memory="20KB")
     assert plan.staged and plan.ops[0].parts["j"] > 1 and plan.ops[0].bands > 1
-    with spark_jobs.one_job(sdb.engine), spark_jobs.jobs(sdb.engine.spark) as jobs:
+    with spark_jobs.jobs(sdb.engine.spark) as jobs:
         got = C.numpy(plan=plan)
     np.testing.assert_allclose(got, A @ B, rtol=1e-10)
     assert jobs.count <= 3 * plan.ops[0].bands + 4  # a band, its sum with the last: a job each

@@ -8,6 +8,7 @@ are Parquet tables in a warehouse directory (``tra_sql.backends.warehouse``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -42,13 +43,16 @@ RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark
 #: Parquet reader's column batch, grown by doubling; the row around each Python UDF and its
 #: result): an MLP step in 512m executors ran with 16 MiB feature tiles, not with 24 MiB.
 TILE_COPIES = 6
-#: Settings under which a program runs as one Spark job (``SparkEngine.steps``): adaptive
-#: execution runs every shuffle stage as a job of its own, and each broadcast join and each
-#: runtime Bloom filter (a scalar subquery) is a job too; without them the plan's stages run in
-#: the one job of its action, shared views computed once inside it. Opt-in
-#: (``spark_jobs.one_job``): without broadcast joins the GCN step was slower (docs/spark.md).
+#: Settings under which a program runs as one Spark job (``SparkEngine.steps``; the default,
+#: ``spark_jobs.adaptive`` for Spark's own): adaptive execution runs every shuffle stage as a
+#: job of its own, and each broadcast join and each runtime Bloom filter (a scalar subquery) is
+#: a job too; without them the plan's stages run in the one job of its action, shared views
+#: computed once inside it. Without adaptive execution nothing coalesces small shuffles after
+#: the fact, so each program's shuffles get the partitions its data need
+#: (``SparkEngine.shuffle_partitions``).
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
+PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -143,8 +147,9 @@ class SparkEngine(Engine):
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
         self._constants: Constants | None = None  # measured by ``calibrate()``
-        #: SQL settings programs run under, over the session's own (``ONE_JOB``: one job each)
-        self.program_settings: dict[str, str] = {}
+        #: SQL settings programs run under, over the session's own (``ONE_JOB``: one job each;
+        #: ``{}``: Spark's own, see ``spark_jobs.adaptive``)
+        self.program_settings: dict[str, str] = dict(ONE_JOB)
 
     @classmethod
     def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
@@ -202,8 +207,21 @@ class SparkEngine(Engine):
         one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
         views are dropped, the checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
-        with settings(self.spark, self.program_settings), self._views(steps, what) as final:
+        values = dict(self.program_settings)
+        adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
+        if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
+            values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
+        with settings(self.spark, values), self._views(steps, what) as final:
             yield final
+
+    def shuffle_partitions(self, nbytes: int) -> int:
+        """Partitions of every shuffle of a program whose largest relation holds ``nbytes``,
+        when adaptive execution (which would coalesce them after each stage, a job each) is
+        off: one per advisory partition size (``spark.sql.adaptive.advisoryPartitionSizeInBytes``,
+        64 MiB), at most ``spark.sql.shuffle.partitions``. Each task of a stage that calls a
+        kernel costs a Python UDF's start; most of a step's shuffles carry a few tiles."""
+        advisory = jvm_bytes(self.spark.conf.get("spark.sql.adaptive.advisoryPartitionSizeInBytes", "64m"))
+        return max(1, min(int(self.spark.conf.get(PARTITIONS)), math.ceil(nbytes / advisory)))
 
     @contextmanager
     def _views(self, steps: Steps, what: str):
