@@ -3,6 +3,7 @@ matmul (float32, tiles = blocks of b×b) and one epoch of a 2-layer GCN, all in 
 
     python bench/bench_spark.py                       # 8192², blocks of 2048; GCN on 8192 nodes
     python bench/bench_spark.py --size 4096 --block 1024 --repeat 1 --only matmul
+    python bench/bench_spark.py --only gcn --repeat 1 --gcn 100000 1000000 128 16 8 --no-dataframes
 
 Spark runs on a standalone cluster started here (a master and two 1-core workers on
 127.0.0.1, ``tra_sql.backends.standalone``); DuckDB runs in this process with 2 threads.
@@ -246,7 +247,8 @@ def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = False) -> dict[str, float]:
+def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = False,
+              dataframes: bool = True) -> dict[str, float | None]:
     data = gcn_data(n, e, f, c)
     with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
         gcn_tables(duck, data)
@@ -263,10 +265,12 @@ def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = Fa
             spark = gcn_epoch(db, n, f, h, c, block, data[3])
             np.testing.assert_allclose(spark["losses"], losses, rtol=1e-4)
             check(spark["W1"], w1, "tra_sql GCN on Spark")
-            t_df, df_losses, df_w1, df_jobs = bench_spark_df.two_epochs(
-                db.engine.spark, data[3], gcn_params(f, h, c), len(range(0, n, 10)))
-            np.testing.assert_allclose(df_losses, losses, rtol=1e-6)
-            check(df_w1, w1, "the GCN on Spark DataFrames")
+            t_df = df_jobs = None
+            if dataframes:
+                t_df, df_losses, df_w1, df_jobs = bench_spark_df.two_epochs(
+                    db.engine.spark, data[3], gcn_params(f, h, c), len(range(0, n, 10)))
+                np.testing.assert_allclose(df_losses, losses, rtol=1e-6)
+                check(df_w1, w1, "the GCN on Spark DataFrames")
             t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, repeat)
         finally:
             db.close()
@@ -287,6 +291,8 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="tra_sql's GCN under Spark's own settings (adaptive execution, broadcast joins: a job per "
                              "shuffle stage) instead of one Spark job per program (spark.ONE_JOB); for an A/B")
+    parser.add_argument("--no-dataframes", action="store_true",
+                        help="skip the GCN by hand on DataFrames (long format: slow at 100k nodes)")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     if "matmul" in args.only:
@@ -298,13 +304,15 @@ def main() -> None:
               f"epoch's time (forward, backward, Adam step, commit); MLlib: median of {args.repeat} after a warm-up",
               flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
-            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.adaptive)
+            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.adaptive,
+                          not args.no_dataframes)
+        by_hand = "" if t["df"] is None else \
+            f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | {t['df_jobs']} |\n"
         print(f"\n| run | s | Spark jobs |\n|---|---|---|\n| tra_sql on DuckDB (2 threads), one epoch | "
               f"{t['duckdb']:.2f} | |\n| tra_sql on Spark, one epoch (one step) | {t['spark']:.2f} | {t['jobs']} |\n"
-              f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | {t['df_jobs']} |\n"
-              f"| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} | |")
-        print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; "
-              f"tra_sql Spark / DataFrames by hand = {t['spark'] / t['df']:.2f}; "
+              f"{by_hand}| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} | |")
+        versus = "" if t["df"] is None else f"tra_sql Spark / DataFrames by hand = {t['spark'] / t['df']:.2f}; "
+        print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; {versus}"
               f"tra_sql Spark / tra_sql DuckDB = {t['spark'] / t['duckdb']:.2f}")
 
 
