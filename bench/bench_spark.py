@@ -3,6 +3,7 @@ matmul (float32, tiles = blocks of b×b) and one epoch of a 2-layer GCN, all in 
 
     python bench/bench_spark.py                       # 8192², blocks of 2048; GCN on 8192 nodes
     python bench/bench_spark.py --size 4096 --block 1024 --repeat 1 --only matmul
+    python bench/bench_spark.py --only gcn --repeat 1 --gcn 100000 1000000 128 16 8 --no-dataframes
 
 Spark runs on a standalone cluster started here (a master and two 1-core workers on
 127.0.0.1, ``tra_sql.backends.standalone``); DuckDB runs in this process with 2 threads.
@@ -38,7 +39,6 @@ from common import machine, median_time  # noqa: E402
 
 import tra_sql  # noqa: E402
 from tra_sql.backends import spark_jobs, transfer  # noqa: E402
-from tra_sql.backends.spark import ONE_JOB  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 
 SEED = 11
@@ -161,10 +161,11 @@ def gcn_params(f: int, h: int, c: int) -> dict[str, np.ndarray]:
             "W2": (rng.uniform(-1, 1, (h, c)) * np.sqrt(6 / (h + c))), "b2": np.zeros(c)}
 
 
-def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> tuple[float, list[float], np.ndarray, int]:
+def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> dict:
     """Two epochs of a 2-layer GCN with Adam (tables ``adj`` and ``labels`` in ``db``; the
-    adjacency in CSR blocks of ``block``²): the second epoch's seconds (its commit included),
-    both losses, W1, and the second epoch's (one step's) Spark jobs (0 on DuckDB)."""
+    adjacency in CSR blocks of ``block``²): the second epoch's ``seconds`` (its commit
+    included) and ``window`` (its start and end, seconds since the Unix epoch), both
+    ``losses``, ``W1``, and the second epoch's (one step's) Spark ``jobs`` (0 on DuckDB)."""
     from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
@@ -180,8 +181,9 @@ def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> tuple[float,
     ends = []  # each epoch's end and jobs so far, after its commit (History.seconds stops before the commit)
     with spark_jobs.jobs(db.engine.spark) if db.engine.name == "spark" else nullcontext() as jobs:
         run = db.train(loss, list(p.values()), Adam(lr=0.01), 2, run="gcn", progress=False,
-                       on_epoch=lambda *_: ends.append((time.perf_counter(), jobs.count if jobs else 0)))
-    return ends[1][0] - ends[0][0], run.losses, db.tensor("gW1").numpy(), ends[1][1] - ends[0][1]
+                       on_epoch=lambda *_: ends.append((time.perf_counter(), time.time(), jobs.count if jobs else 0)))
+    return {"seconds": ends[1][0] - ends[0][0], "window": (ends[0][1], ends[1][1]), "losses": run.losses,
+            "W1": db.tensor("gW1").numpy(), "jobs": ends[1][2] - ends[0][2]}
 
 
 def gcn_tables(duck, data) -> None:
@@ -245,30 +247,35 @@ def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, one_job: bool = False) -> dict[str, float]:
+def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = False,
+              dataframes: bool = True) -> dict[str, float | None]:
     data = gcn_data(n, e, f, c)
     with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
         gcn_tables(duck, data)
-        t_duck, losses, w1, _ = gcn_epoch(duck, n, f, h, c, block, data[3])
+        ours = gcn_epoch(duck, n, f, h, c, block, data[3])
+        losses, w1 = ours["losses"], ours["W1"]
         db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
                              driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
         try:
             db.engine.wait_for_executors(2)
-            if one_job:
-                db.engine.program_settings = dict(ONE_JOB)
+            if adaptive:
+                db.engine.program_settings = {}  # as spark_jobs.adaptive
             for table in ("adj", "labels"):
                 transfer.copy(duck, db, table, replace=True)
-            t_spark, spark_losses, spark_w1, jobs = gcn_epoch(db, n, f, h, c, block, data[3])
-            np.testing.assert_allclose(spark_losses, losses, rtol=1e-4)
-            check(spark_w1, w1, "tra_sql GCN on Spark")
-            t_df, df_losses, df_w1, df_jobs = bench_spark_df.two_epochs(
-                db.engine.spark, data[3], gcn_params(f, h, c), len(range(0, n, 10)))
-            np.testing.assert_allclose(df_losses, losses, rtol=1e-6)
-            check(df_w1, w1, "the GCN on Spark DataFrames")
+            spark = gcn_epoch(db, n, f, h, c, block, data[3])
+            np.testing.assert_allclose(spark["losses"], losses, rtol=1e-4)
+            check(spark["W1"], w1, "tra_sql GCN on Spark")
+            t_df = df_jobs = None
+            if dataframes:
+                t_df, df_losses, df_w1, df_jobs = bench_spark_df.two_epochs(
+                    db.engine.spark, data[3], gcn_params(f, h, c), len(range(0, n, 10)))
+                np.testing.assert_allclose(df_losses, losses, rtol=1e-6)
+                check(df_w1, w1, "the GCN on Spark DataFrames")
             t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, repeat)
         finally:
             db.close()
-    return {"duckdb": t_duck, "spark": t_spark, "mllib": t_mllib, "jobs": jobs, "df": t_df, "df_jobs": df_jobs}
+    return {"duckdb": ours["seconds"], "spark": spark["seconds"], "mllib": t_mllib, "jobs": spark["jobs"],
+            "df": t_df, "df_jobs": df_jobs}
 
 
 def main() -> None:
@@ -281,9 +288,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["matmul", "gcn"], choices=["matmul", "gcn"])
     parser.add_argument("--gcn", type=int, nargs=5, default=(8192, 81920, 128, 16, 8),
                         metavar=("NODES", "EDGES", "FEATURES", "HIDDEN", "CLASSES"))
-    parser.add_argument("--one-job", action="store_true",
-                        help="tra_sql's GCN with each program one Spark job (spark.ONE_JOB: no adaptive execution, "
-                             "no broadcast joins) instead of Spark's own settings; for an A/B")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="tra_sql's GCN under Spark's own settings (adaptive execution, broadcast joins: a job per "
+                             "shuffle stage) instead of one Spark job per program (spark.ONE_JOB); for an A/B")
+    parser.add_argument("--no-dataframes", action="store_true",
+                        help="skip the GCN by hand on DataFrames (long format: slow at 100k nodes)")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     if "matmul" in args.only:
@@ -295,13 +304,15 @@ def main() -> None:
               f"epoch's time (forward, backward, Adam step, commit); MLlib: median of {args.repeat} after a warm-up",
               flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
-            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.one_job)
+            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.adaptive,
+                          not args.no_dataframes)
+        by_hand = "" if t["df"] is None else \
+            f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | {t['df_jobs']} |\n"
         print(f"\n| run | s | Spark jobs |\n|---|---|---|\n| tra_sql on DuckDB (2 threads), one epoch | "
               f"{t['duckdb']:.2f} | |\n| tra_sql on Spark, one epoch (one step) | {t['spark']:.2f} | {t['jobs']} |\n"
-              f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | {t['df_jobs']} |\n"
-              f"| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} | |")
-        print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; "
-              f"tra_sql Spark / DataFrames by hand = {t['spark'] / t['df']:.2f}; "
+              f"{by_hand}| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} | |")
+        versus = "" if t["df"] is None else f"tra_sql Spark / DataFrames by hand = {t['spark'] / t['df']:.2f}; "
+        print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; {versus}"
               f"tra_sql Spark / tra_sql DuckDB = {t['spark'] / t['duckdb']:.2f}")
 
 

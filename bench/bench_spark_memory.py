@@ -1,6 +1,6 @@
 """Training data no executor holds: one epoch of a 2-layer MLP (cross-entropy, Adam) on a
 Spark standalone cluster whose executors each have less memory than the training features,
-in tiles a task holds; and PyTorch in one process under the same memory cap, which cannot
+under the planner's tiling; and PyTorch in one process under the same memory cap, which cannot
 hold them.
 
     python bench/bench_spark_memory.py                                   # 1 GiB of features, 512m executors
@@ -8,12 +8,12 @@ hold them.
 
 The cluster: a master and two 1-core workers on 127.0.0.1 (``tra_sql.backends.standalone``),
 ``--executor-memory`` each. The features (``--rows`` × ``--features`` float64) are stored in
-tiles of all features and as many rows (a power of two) as keep a tile within 1/16 of the
-memory a task may use (``db.engine.budget()``), or ``--tile-rows``, or with ``--planner`` the
-tiles ``db.plan`` picks for the first layer's product under that budget (EinDecomp's default
-constants, or ``--calibrate``d ones: at these sizes it picks its smallest candidate, 1024 × 4,
-which makes the step very large); the epoch's time is the second epoch's (forward, backward,
-Adam, commit), with its Spark jobs. PyTorch: a subprocess imports torch, then caps its address space
+the tiles that ``db.plan`` picks for the first layer's product under the cluster's budget
+(``db.engine.budget()``: a task's share of an executor's heap; Spark's statements stream and
+spill, so only a task's piece of the product must fit), with EinDecomp's default constants
+or ``--calibrate``d ones; or in tiles of ``--tile-rows`` rows and all features. The epoch's
+time is the second epoch's (forward, backward, Adam, commit), with its Spark jobs.
+PyTorch: a subprocess imports torch, then caps its address space
 (``resource.setrlimit(RLIMIT_AS)``) at what it maps already plus the executor memory, and
 allocates the features as one tensor; a control run under a cap of twice the features must
 succeed (so the failure is the cap's, not the check's).
@@ -98,13 +98,14 @@ def epoch(db, x, y, hidden: int, tile: tuple[int, int]) -> dict:
 
 def planned_tile(db, rows: int, features: int, hidden: int) -> tuple[int, int]:
     """The tiles of the features in EinDecomp's plan of the first layer's product under the
-    cluster's budget (inputs offered in 1024-row tiles, parts up to 256 per index)."""
-    probe = db.einsum("nf,fh->nh", db.zeros((rows, features), "float64", (min(rows, 1024), features)),
+    cluster's budget (parts up to 256 per index)."""
+    probe = db.einsum("nf,fh->nh", db.zeros((rows, features), "float64", (rows, features)),
                       db.zeros((features, hidden), "float64", (features, hidden)))
     plan = choose.plan(db.engine, probe, base=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     if not np.isfinite(plan.cost):
         raise SystemExit(f"the planner found no tiling that fits {plan.memory / 2**20:.0f} MiB per core; "
                          f"pass --tile-rows")
+    print(plan.explain(), flush=True)
     return plan.ops[0].tile["n"], plan.ops[0].tile["f"]
 
 
@@ -115,9 +116,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--executor-memory", default="512m", help="per executor (and worker)")
-    parser.add_argument("--tile-rows", type=int, help="store the features in tiles of this many rows (all features)")
-    parser.add_argument("--planner", action="store_true", help="store the features in the planner's tiles")
-    parser.add_argument("--calibrate", action="store_true", help="with --planner: calibrate the planner first")
+    parser.add_argument("--tile-rows", type=int, help="store the features in tiles of this many rows (all features) "
+                        "instead of the planner's")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate the planner on the cluster first")
     parser.add_argument("--quick", action="store_true", help="smoke run: skip the PyTorch control run")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
@@ -133,13 +134,12 @@ def main() -> None:
         try:
             db.engine.wait_for_executors(2)
             task = db.engine.budget()[1]
-            if args.planner:
+            if args.tile_rows:
+                tile, how = (min(args.tile_rows, args.rows), args.features), "given"
+            else:
                 if args.calibrate:
                     db.calibrate()
                 tile, how = planned_tile(db, *x.shape, args.hidden), "the planner's"
-            else:
-                rows = args.tile_rows or 2 ** int(np.log2(max(1.0, task / 16 / (8 * args.features))))
-                tile, how = (min(rows, args.rows), args.features), "given" if args.tile_rows else "1/16 of a task's"
             print(f"tiles of the features ({how}): {tile}, {tile[0] * tile[1] * 8 / 2**20:.1f} MiB each; "
                   f"{task / 2**20:.0f} MiB per task", flush=True)
             t = epoch(db, x, y, args.hidden, tile)

@@ -21,6 +21,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
 from tra_sql.backends import spark_jobs, spark_sql, transfer  # noqa: E402
+from tra_sql.backends.spark import ONE_JOB, TILE_COPIES  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
@@ -151,7 +152,7 @@ def expected(full: bool = True):
 
 def test_connect_and_budget(sdb):
     assert sdb.engine.name == "spark" and isinstance(sdb, tra_sql.Session)
-    assert sdb.engine.budget() == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2))  # the driver's, 2 cores
+    assert sdb.engine.budget() == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2 / TILE_COPIES))  # the driver's
     assert sdb.engine.budget(4, "1GB") == (4, 1e9)
 
 
@@ -407,7 +408,7 @@ def test_plan_uses_the_session_budget(sdb):
     t = load(sdb, "pl")
     c = sdb.einsum("ij,jk->ik", t["A"], t["B"])
     plan = sdb.plan(c)
-    assert (plan.workers, plan.memory) == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2))  # tasks' share of 1g
+    assert (plan.workers, plan.memory) == (2, pytest.approx((2**30 - 300 * 2**20) * 0.6 / 2 / TILE_COPIES))  # of 1g
 
 
 def test_copy_between_duckdb_and_spark(sdb, duck, tmp_path):
@@ -474,7 +475,7 @@ def test_relation_and_sparse_gradient(sdb, duck):
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
 
 def test_cluster_equals_duckdb(cdb, duck):
-    usable = (512 - 300) * 2**20 * 0.6  # of a 512m executor's heap, Spark's tasks' share (1 core each)
+    usable = (512 - 300) * 2**20 * 0.6 / TILE_COPIES  # of a 512m executor's heap, Spark's tasks' share (1 core each)
     assert cdb.engine.executors() == 2 and cdb.engine.budget() == (2, pytest.approx(usable))
     plan = cdb.plan(cdb.einsum("ij,jk->ik", *(cdb.from_numpy(f"k{n}", np.ones((64, 64)), replace=True)
                                                for n in "PQ")))
@@ -514,26 +515,32 @@ def numpy_gradient(x, y, w, b):
 
 
 def test_a_training_step_is_one_spark_job(sdb):
-    """Under ``one_job`` a training step (forward, gradients, Adam: views shared by several
-    steps) writes its results in one Spark job, and a program read back is one job too: the
-    shared views are computed inside it, not in jobs of their own (Spark's status tracker)."""
+    """A training step (forward, gradients, Adam: views shared by several steps) writes its
+    results in one Spark job, and a program read back is one job too: the shared views are
+    computed inside it, not in jobs of their own (Spark's status tracker), and its shuffles
+    have one partition per 64 MiB of its largest relation. Under ``spark_jobs.adaptive``
+    (Spark's own settings) the step's shuffle stages are jobs of their own."""
+    spark = sdb.engine.spark
     loss, params, (x, y, _) = logistic_regression(sdb)
     sdb.train(loss, params, Adam(lr=0.1), 1, run="jobs", progress=False)
-    with spark_jobs.one_job(sdb.engine):
-        with spark_jobs.jobs(sdb.engine.spark) as step:
-            history = sdb.train(loss, params, Adam(lr=0.1), 2, run="jobs", progress=False)
-        assert history.steps == 2 and step.count == 1
-        with spark_jobs.jobs(sdb.engine.spark) as run:
-            value, gw = loss.numpy(), sdb.grad(loss, params[:1])[0].numpy()
-        assert run.count == 2  # one per numpy()
-        with sdb.engine.frame(loss.program()) as frame:  # the settings of one job hold inside the block only
-            assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "false"
-            assert frame.count() == 1
-    assert sdb.engine.program_settings == {}
+    with spark_jobs.jobs(spark) as step:
+        history = sdb.train(loss, params, Adam(lr=0.1), 2, run="jobs", progress=False)
+    assert history.steps == 2 and step.count == 1
+    with spark_jobs.jobs(spark) as run:
+        value, gw = loss.numpy(), sdb.grad(loss, params[:1])[0].numpy()
+    assert run.count == 2  # one per numpy()
+    with sdb.engine.frame(loss.program()) as frame:  # the settings of one job hold inside the block only
+        assert spark.conf.get("spark.sql.adaptive.enabled") == "false"
+        assert spark.conf.get("spark.sql.shuffle.partitions") == "1"
+        assert frame.count() == 1
+    assert [sdb.engine.shuffle_partitions(n) for n in (1, 64 << 20, (64 << 20) + 1, 1 << 40)] == [1, 1, 2, 2]
     want, want_gw, _ = numpy_gradient(x, y, params[0].numpy(), params[1].numpy())
     np.testing.assert_allclose(value, want, rtol=1e-10)
     np.testing.assert_allclose(gw, want_gw, rtol=1e-10, atol=1e-14)
-    assert sdb.engine.spark.conf.get("spark.sql.adaptive.enabled") == "true"
+    with spark_jobs.adaptive(sdb.engine), spark_jobs.jobs(spark) as own:
+        assert sdb.train(loss, params, Adam(lr=0.1), 3, run="jobs", progress=False).steps == 3
+    assert own.count > 1 and sdb.engine.program_settings == ONE_JOB
+    assert [spark.conf.get(k) for k in ("spark.sql.adaptive.enabled", "spark.sql.shuffle.partitions")] == ["true", "2"]
 
 
 def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
@@ -554,7 +561,7 @@ def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
     for db, ps, lo in ((cdb, params, loss), (duck, dparams, dloss)):
         db.train(lo, ps, SGD(lr=0.5), 1, run="lr", progress=False)
         if db is cdb:
-            with spark_jobs.one_job(cdb.engine), spark_jobs.jobs(cdb.engine.spark) as step:  # one job there too
+            with spark_jobs.jobs(cdb.engine.spark) as step:  # one job there too
                 runs.append(db.train(lo, ps, SGD(lr=0.5), 2, run="lr", progress=False))
             assert step.count == 1
         else:

@@ -53,7 +53,7 @@ def test_out_of_core_bands_accumulate(sdb):
                    sdb.from_numpy("oB", B, tile=(32, 12), replace=True))
     plan = sdb.plan(C, workers=2, memory="20KB")
     assert plan.staged and plan.ops[0].parts["j"] > 1 and plan.ops[0].bands > 1
-    with spark_jobs.one_job(sdb.engine), spark_jobs.jobs(sdb.engine.spark) as jobs:
+    with spark_jobs.jobs(sdb.engine.spark) as jobs:
         got = C.numpy(plan=plan)
     np.testing.assert_allclose(got, A @ B, rtol=1e-10)
     assert jobs.count <= 3 * plan.ops[0].bands + 4  # a band, its sum with the last: a job each
@@ -82,14 +82,52 @@ def test_planned_mlp_and_gradient(sdb):
 
 def test_numpy_plans_automatically_on_spark(sdb, monkeypatch):
     """``numpy()`` plans a program whose tiling as written does not fit the executors'
-    memory (here: a budget of 20 KB per core and inputs counted big from 1 KB)."""
+    memory (here: 12 KB per core, less than one joined row of its tiles, and inputs counted
+    big from 1 KB)."""
     rng = np.random.default_rng(5)
     A, B = rng.standard_normal((16, 256)), rng.standard_normal((256, 12))
     C = sdb.einsum("ij,jk->ik", sdb.from_numpy("aA", A, tile=(16, 64), replace=True),
                    sdb.from_numpy("aB", B, tile=(64, 12), replace=True))
     monkeypatch.setattr(choose, "AUTO_MIN_BYTES", 1024)
-    monkeypatch.setattr(sdb.engine, "budget", lambda workers=None, memory=None: (2, 20e3))
+    monkeypatch.setattr(sdb.engine, "budget", lambda workers=None, memory=None: (2, 12e3))
     plan = choose.auto(C)
     assert plan is not None and plan.staged
     np.testing.assert_allclose(C.numpy(), A @ B, rtol=1e-10)
     assert not stage_tables(sdb)
+
+
+def test_features_bigger_than_a_task_under_the_planners_tiling(sdb):
+    """Features four times a task's memory (a budget forced to 96 KB per task, two tasks): on
+    Spark, whose scans stream and whose shuffles spill, the planner tiles the first layer's
+    product so that a task holds one joined row (DuckDB's model, where a statement holds what
+    it scans, finds no finite plan); an MLP training step over the features stored in those
+    tiles gives DuckDB's losses and weights."""
+    from tra_sql.optim import Adam
+    from tra_sql.train import cross_entropy
+
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((1024, 48)), np.eye(4)[rng.integers(0, 4, 1024)]
+    w1, w2 = rng.standard_normal((48, 16)) * 0.2, rng.standard_normal((16, 4)) * 0.2
+    memory = 96e3
+    assert x.nbytes > 4 * memory
+    probe = sdb.einsum("nf,fh->nh", sdb.zeros(x.shape, "float64", x.shape), sdb.zeros(w1.shape, "float64", w1.shape))
+    plan = sdb.plan(probe, workers=2, memory=memory)
+    assert np.isfinite(plan.cost) and plan.model.budget.spills
+    assert not np.isfinite(make_plan(probe.node, 2, memory, sdb.engine.constants() or Constants()).cost)
+    tile = (plan.ops[0].tile["n"], plan.ops[0].tile["f"])
+    assert plan.ops[0].piece <= memory and tile[0] < len(x)
+    runs = []
+    with tra_sql.connect() as duck:
+        for db in (sdb, duck):
+            xt = db.from_numpy("bX", x, tile=tile, replace=True)
+            yt = db.from_numpy("bY", y, tile=(tile[0], 4), replace=True)
+            params = [db.from_numpy("bW1", w1, tile=(tile[1], 16), replace=True),
+                      db.from_numpy("bb1", np.zeros(16), replace=True),
+                      db.from_numpy("bW2", w2, replace=True), db.from_numpy("bb2", np.zeros(4), replace=True)]
+            hid = db.einsum("nh,h->nh", db.einsum("nf,fh->nh", xt, params[0]), params[1], join="greatest(x0 + x1, 0)")
+            z = db.einsum("nc,c->nc", db.einsum("nh,hc->nc", hid, params[2]), params[3], join="x0 + x1")
+            history = db.train(cross_entropy(db, z, yt, len(x)), params, Adam(lr=0.01), 2, run="big", progress=False)
+            runs.append((history.losses, [p.numpy() for p in params]))
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-10)
+    for ours, theirs in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-13)

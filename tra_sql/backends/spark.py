@@ -8,6 +8,7 @@ are Parquet tables in a warehouse directory (``tra_sql.backends.warehouse``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -38,13 +39,20 @@ from tra_sql.errors import ExecutionError, TraError
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
-#: Settings under which a program runs as one Spark job (``SparkEngine.steps``): adaptive
-#: execution runs every shuffle stage as a job of its own, and each broadcast join and each
-#: runtime Bloom filter (a scalar subquery) is a job too; without them the plan's stages run in
-#: the one job of its action, shared views computed once inside it. Opt-in
-#: (``spark_jobs.one_job``): without broadcast joins the GCN step was slower (docs/spark.md).
+#: A task holds each tile it works on about this many times at once in its executor's heap (the
+#: Parquet reader's column batch, grown by doubling; the row around each Python UDF and its
+#: result): an MLP step in 512m executors ran with 16 MiB feature tiles, not with 24 MiB.
+TILE_COPIES = 6
+#: Settings under which a program runs as one Spark job (``SparkEngine.steps``; the default,
+#: ``spark_jobs.adaptive`` for Spark's own): adaptive execution runs every shuffle stage as a
+#: job of its own, and each broadcast join and each runtime Bloom filter (a scalar subquery) is
+#: a job too; without them the plan's stages run in the one job of its action, shared views
+#: computed once inside it. Without adaptive execution nothing coalesces small shuffles after
+#: the fact, so each program's shuffles get the partitions its data need
+#: (``SparkEngine.shuffle_partitions``).
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
+PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -127,6 +135,7 @@ class SparkEngine(Engine):
     name: ClassVar[str] = "spark"
     dialect: ClassVar[str] = "spark"
     staged: ClassVar[bool] = True
+    spills: ClassVar[bool] = True
 
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
@@ -138,8 +147,9 @@ class SparkEngine(Engine):
         #: grouped aggregate UDF (bounded memory) instead of over a list per group
         self.group_bytes = GROUP_BYTES
         self._constants: Constants | None = None  # measured by ``calibrate()``
-        #: SQL settings programs run under, over the session's own (``ONE_JOB``: one job each)
-        self.program_settings: dict[str, str] = {}
+        #: SQL settings programs run under, over the session's own (``ONE_JOB``: one job each;
+        #: ``{}``: Spark's own, see ``spark_jobs.adaptive``)
+        self.program_settings: dict[str, str] = dict(ONE_JOB)
 
     @classmethod
     def open(cls, warehouse: str | os.PathLike | None = None, *, master: str = "local[2]", app_name: str = "tra_sql",
@@ -197,8 +207,21 @@ class SparkEngine(Engine):
         one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
         views are dropped, the checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
-        with settings(self.spark, self.program_settings), self._views(steps, what) as final:
+        values = dict(self.program_settings)
+        adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
+        if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
+            values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
+        with settings(self.spark, values), self._views(steps, what) as final:
             yield final
+
+    def shuffle_partitions(self, nbytes: int) -> int:
+        """Partitions of every shuffle of a program whose largest relation holds ``nbytes``,
+        when adaptive execution (which would coalesce them after each stage, a job each) is
+        off: one per advisory partition size (``spark.sql.adaptive.advisoryPartitionSizeInBytes``,
+        64 MiB), at most ``spark.sql.shuffle.partitions``. Each task of a stage that calls a
+        kernel costs a Python UDF's start; most of a step's shuffles carry a few tiles."""
+        advisory = jvm_bytes(self.spark.conf.get("spark.sql.adaptive.advisoryPartitionSizeInBytes", "64m"))
+        return max(1, min(int(self.spark.conf.get(PARTITIONS)), math.ceil(nbytes / advisory)))
 
     @contextmanager
     def _views(self, steps: Steps, what: str):
@@ -322,7 +345,8 @@ class SparkEngine(Engine):
     def budget(self, workers: int | None = None, memory=None) -> tuple[int, float]:
         """(workers, bytes per worker) for EinDecomp: the total executor cores (``local[N]``:
         N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
-        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores."""
+        less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores, in
+        bytes of tiles (over ``TILE_COPIES``)."""
         conf = self.spark.sparkContext.getConf()
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
@@ -339,7 +363,7 @@ class SparkEngine(Engine):
         if memory is not None:
             return int(workers or cores), parse_bytes(memory)
         usable = (jvm_bytes(heap) - RESERVED) * float(conf.get("spark.memory.fraction", "0.6"))
-        return int(workers or cores), max(usable, 0.0) / per_executor
+        return int(workers or cores), max(usable, 0.0) / per_executor / TILE_COPIES
 
     def constants(self) -> Constants | None:
         return self._constants

@@ -1,6 +1,7 @@
 """Counting the Spark jobs that a block of driver code launches (``jobs``): the benchmark's
 "jobs per step" and the tests that bound it. Job counts are deterministic, unlike times.
-``one_job`` runs a block's programs one Spark job each."""
+``adaptive`` runs a block's programs under Spark's own settings (a job per shuffle stage)
+instead of one Spark job each (``spark.ONE_JOB``, the default)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-from tra_sql.backends.spark import ONE_JOB
 
 GROUP = "spark.jobGroup.id"
 
@@ -28,11 +27,12 @@ class Jobs:
 
 
 @contextmanager
-def one_job(engine) -> Iterator[None]:
-    """Inside the block, each program ``engine`` (a ``SparkEngine``) runs is one Spark job
-    (``spark.ONE_JOB``'s settings); its settings before are put back on exit."""
+def adaptive(engine) -> Iterator[None]:
+    """Inside the block, the programs ``engine`` (a ``SparkEngine``) runs take Spark's own
+    settings (adaptive execution, broadcast joins, runtime Bloom filters), not ``ONE_JOB``'s;
+    its settings before are put back on exit. For A/B comparisons."""
     before = engine.program_settings
-    engine.program_settings = {**before, **ONE_JOB}
+    engine.program_settings = {}
     try:
         yield
     finally:

@@ -48,6 +48,13 @@ def group_bytes(step: EinsumStep) -> int:
     return per_row * _groups(step)
 
 
+def largest(program: Program) -> int:
+    """Bytes of the largest dense relation ``program`` reads or makes (a CSR one's nonzeros
+    are not known here; sparse relations are the small ones)."""
+    nodes = [node for _, _, step in program.ctes for node in (step, *step.inputs) if node.layout == "dense"]
+    return max((node.dtype.itemsize * prod(node.shape) for node in nodes), default=0)
+
+
 def partial_bytes(step: EinsumStep) -> int:
     """Bytes of partial results in one group of a ``tra_reduce`` step (interior tiles)."""
     return prod(step.tiles[c] for c in step.output) * np.dtype(step.out_dtype).itemsize * _groups(step)
@@ -56,11 +63,13 @@ def partial_bytes(step: EinsumStep) -> int:
 @dataclass
 class Steps:
     """A query as Spark runs it: temporary ``views`` in order (name, SQL, how many later
-    steps read it), then the ``final`` SQL over them; and the kernels they call."""
+    steps read it), then the ``final`` SQL over them; the kernels they call; and the bytes of
+    the largest dense relation they read or make (0 if not known)."""
 
     views: list[tuple[str, str, int]]
     final: str
     kernels: set[Kernel]
+    nbytes: int = 0
 
     def text(self) -> str:
         """All of it as one script, for reading."""
@@ -101,7 +110,9 @@ class SparkDialect(Dialect):
 
     def steps(self, program: Program) -> Steps:
         """``program`` as steps (see ``Steps``) whose final query returns ``k0.. (INT), tile``."""
-        return self.query_steps(program.query(materialized=False), len(program.root.shape))
+        steps = self.query_steps(program.query(materialized=False), len(program.root.shape))
+        steps.nbytes = largest(program)
+        return steps
 
     def query_steps(self, query: exp.Select, rank: int) -> Steps:
         """A query of a rank-``rank`` tile relation (plain CTEs) as steps whose final query
@@ -114,8 +125,10 @@ class SparkDialect(Dialect):
         ``target, k0, ..., tile`` (INT keys) of several results."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
-        return self._steps(program.union_query(results),
-                           lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")))
+        steps = self._steps(program.union_query(results),
+                            lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")))
+        steps.nbytes = largest(program)
+        return steps
 
     def _steps(self, query: exp.Expression, finish) -> Steps:
         """``query``'s CTEs as views named uniquely (the same program may run twice at once)."""

@@ -23,9 +23,9 @@ AUTO_MIN_BYTES = 256 * 2**20
 
 def plan(engine: Engine, tensor: Tensor, workers=None, memory=None, **kw) -> Plan:
     """EinDecomp's plan of ``tensor`` for ``engine``'s budget (``workers`` of ``memory`` each
-    unless given) and its measured constants (else the defaults)."""
+    unless given; whether its statements spill) and its measured constants (else the defaults)."""
     workers, per_worker = engine.budget(workers, memory)
-    return make_plan(tensor.node, workers, per_worker, engine.constants() or Constants(), **kw)
+    return make_plan(tensor.node, workers, per_worker, engine.constants() or Constants(), spills=engine.spills, **kw)
 
 
 def _sparse(engine: Engine, node: Source) -> bool:

@@ -78,14 +78,17 @@ def parse_bytes(value: str | int | float) -> float:
 @dataclass(frozen=True)
 class Budget:
     """``workers`` running tile kernels at once, ``memory`` bytes each; one statement may use
-    all of it (workers × memory) before it must run in bands."""
+    all of it (workers × memory) before it must run in bands, unless the engine ``spills``
+    (Spark: scans stream, shuffles, sorts and joins go to disk), where only a worker's piece
+    of an op must fit."""
 
     workers: int
     memory: float
+    spills: bool = False
 
     @property
     def statement(self) -> float:
-        return self.workers * self.memory
+        return float("inf") if self.spills else self.workers * self.memory
 
 
 COMPONENTS = ("statements", "rows", "join", "list", "output", "kernel", "partial", "bands", "repartition")

@@ -272,12 +272,13 @@ def _planned(node: Einsum, parts: tuple[int, ...], visit) -> Node:
 
 
 def make_plan(root: Node, workers: int, memory: float, consts: Constants, *, yardsticks: bool = True,
-              base: tuple[int, ...] | None = None, exhaustive_limit: float = 2e6) -> Plan:
+              base: tuple[int, ...] | None = None, exhaustive_limit: float = 2e6, spills: bool = False) -> Plan:
     """Plan the DAG under ``root``: the DP, and (``yardsticks``) the presets, the published
-    algorithm and, when the graph is small enough, exhaustive search beside it."""
+    algorithm and, when the graph is small enough, exhaustive search beside it. ``spills``:
+    for an engine whose statements spill (see ``cost.Budget``)."""
     start = time.perf_counter()
     workers = max(1, int(workers))
-    budget = Budget(workers, float(memory))
+    budget = Budget(workers, float(memory), spills)
     problem = extract(root)
     check_sources(problem, consts, budget)
     if base is None and len(problem.ops) > LARGE:

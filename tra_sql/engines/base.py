@@ -31,11 +31,14 @@ class Engine(ABC):
     the errors it raises untranslated (``translate`` makes them ``TraError``s), ``OutOfMemory``
     the one among them a statement raises when it runs out of memory; ``in_process``:
     whether programs run in this process's memory (then ``tra_sql.budget`` refuses steps it
-    cannot hold)."""
+    cannot hold); ``spills``: whether a statement streams its scans and spills its joins and
+    aggregations to disk, so that a plan needs only each worker's piece of an op in memory
+    (``cost.Budget``)."""
 
     name: ClassVar[str]
     dialect: ClassVar[str]
     staged: ClassVar[bool] = False
+    spills: ClassVar[bool] = False
     in_process: ClassVar[bool] = False
     Error: ClassVar[type[BaseException]] = Exception
     OutOfMemory: ClassVar[type[BaseException]] = MemoryError
