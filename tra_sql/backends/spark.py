@@ -39,10 +39,12 @@ from tra_sql.errors import ExecutionError, TraError
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
-#: A task holds each tile it works on about this many times at once in its executor's heap (the
-#: Parquet reader's column batch, grown by doubling; the row around each Python UDF and its
-#: result): an MLP step in 512m executors ran with 16 MiB feature tiles, not with 24 MiB.
-TILE_COPIES = 6
+#: A task holds each tile it works on up to this many times at once in its executor's heap (the
+#: Parquet reader's column batch, grown by doubling; the rows around each Python UDF and its
+#: result; several stages' tasks of the one job): an MLP step over 1 GiB of features in 512m
+#: executors (127 MiB per task) failed with 16 MiB feature tiles and completed with 4 MiB ones
+#: (still losing an executor now and then, which Spark's retries recovered: bench/RESULTS.md).
+TILE_COPIES = 24
 #: Settings under which a program runs as one Spark job (``SparkEngine.steps``; the default,
 #: ``spark_jobs.adaptive`` for Spark's own): adaptive execution runs every shuffle stage as a
 #: job of its own, and each broadcast join and each runtime Bloom filter (a scalar subquery) is
