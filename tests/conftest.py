@@ -44,3 +44,28 @@ def db():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def _session_on(kernels: str):
+    """A two-thread session on ``kernels`` (``native`` or ``arrow``, as ``TRA_SQL_KERNELS``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRA_SQL_KERNELS", kernels)
+        session = tra_sql.connect(threads=2)
+    assert session.engine.kernels == kernels
+    return session
+
+
+@pytest.fixture(scope="module")
+def native():
+    """A session on the native kernels, shared by a module's tests."""
+    session = _session_on("native")
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def arrow():
+    """A session on the Arrow UDFs, shared by a module's tests."""
+    session = _session_on("arrow")
+    yield session
+    session.close()

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tra_sql
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
 from tra_sql.compile.dialect import DUCKDB
@@ -20,7 +19,6 @@ from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Budget, Constants, fusible, op_cost
 from tra_sql.decompose.problem import extract
 from tra_sql.engines import staged
-from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.native import loader
 
 pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
@@ -28,31 +26,10 @@ pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native exten
 FORMS = ["ij,jk->ik", "ji,jk->ik", "ij,kj->ik", "ij,jk->ki", "bij,bjk->bik", "ij,j->i", "ijk,kl->ijl"]
 
 
-def _session(kernels: str, threads: int = 2):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRA_SQL_KERNELS", kernels)
-        session = tra_sql.connect(threads=threads)
-    assert session.engine.kernels == kernels
-    return session
-
-
 @pytest.fixture(autouse=True)
 def _native_kernels(monkeypatch):
+    """Native kernels here, also when the suite runs with TRA_SQL_KERNELS=arrow."""
     monkeypatch.setenv("TRA_SQL_KERNELS", "native")
-
-
-@pytest.fixture(scope="module")
-def native():
-    session = _session("native")
-    yield session
-    session.close()
-
-
-@pytest.fixture(scope="module")
-def arrow():
-    session = _session("arrow")
-    yield session
-    session.close()
 
 
 def _product(db, spec, arrays, tilings, tag):
@@ -152,38 +129,6 @@ def test_staged_output_bands_are_fused(native, monkeypatch):
     assert len(rendered) == 2 and all("TRA_CONTRACT_AGG_FLOAT64(" in text for text, _ in rendered)
     info = TensorInfo("p", np.dtype(np.float64), (8, 4), (2, 2), "dense")
     np.testing.assert_allclose(catalog.assemble(info, tiles), x @ y, rtol=1e-12, atol=1e-12)
-
-
-def _raw(db, tensor):
-    program = Program.compile(tensor.node)
-    db.engine.ensure_kernels(program.kernels)
-    return db.engine.con.sql(program.sql()).fetchall()
-
-
-CORRUPTIONS = [
-    ("tile = NULL", "is NULL"),
-    ("tile = ''::BLOB", "holds 0 bytes"),
-    ("tile = '\\x01\\x02\\x03'::BLOB", "holds 3 bytes"),
-    ("tile = tile || tile", "holds 2304 bytes; its shape \\(16, 18\\) and dtype float32 need 1152"),
-]
-
-
-@pytest.mark.parametrize("change, message", CORRUPTIONS)
-def test_corrupt_tiles_raise_and_the_process_survives(change, message):
-    with tra_sql.connect() as db:
-        rng = np.random.default_rng(2)
-        x, y = rng.standard_normal((30, 20)).astype(np.float32), rng.standard_normal((20, 10)).astype(np.float32)
-        db.from_numpy("x", x, (16, 18))
-        db.from_numpy("y", y, (18, 10))
-        product = db.einsum("ij,jk->ik", "x", "y")
-        _assert_fused(product, np.float32)
-        db.engine.con.execute(f"UPDATE x SET {change} WHERE k0 = 0 AND k1 = 0")
-        with pytest.raises(duckdb.Error, match=f"CorruptTileError: tile \\(0, 0\\) of tensor 'x' {message}"):
-            _raw(db, product)
-        with pytest.raises(CorruptTileError):
-            product.numpy()
-        db.from_numpy("x", x, (16, 18), replace=True)
-        np.testing.assert_allclose(db.einsum("ij,jk->ik", "x", "y").numpy(), x @ y, rtol=1e-5, atol=1e-5)
 
 
 def _step(db):
