@@ -125,7 +125,8 @@ def test_training_logs_losses_and_batches(db, rng):
 
 def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
     """Under half the memory_limit a step is one query (steps as CTEs); past it, statements
-    into staging tables that can spill. Both give the same run."""
+    into staging tables that can spill. Both give the same run, and both are written in
+    DuckDB's dialect."""
     x = db.from_numpy("X", rng.standard_normal((30, 4)), tile=(10, 4))
     y = db.from_numpy("Y", np.eye(3)[rng.integers(0, 3, 30)], tile=(10, 3))
     start = {"W": rng.standard_normal((4, 3)), "b": np.zeros(3)}
@@ -137,7 +138,11 @@ def test_step_in_one_query_equals_staged_statements(db, rng, monkeypatch):
         loss = train.cross_entropy(db, nn.mlp(db, x, [tuple(params)]), y, 30)
         history = db.train(loss, params, Adam(lr=0.1), 5, run=mode, progress=False)
         trainer = train.Trainer(db, loss, params, Adam(lr=0.1), f"{mode}_probe", 1)
-        assert (trainer.plan(0).fused is None) == (mode == "staged")
+        plan = trainer.plan(0)
+        assert (plan.fused is None) == (mode == "staged")
+        # both render through DuckDB's dialect: the weight gradient (a sum over split rows) is fused
+        texts = [plan.fused] if plan.fused else [sql for _, sql in plan.statements]
+        assert any("TRA_CONTRACT_AGG_FLOAT64(" in text for text in texts)
         results[mode] = (history.losses, [p.numpy() for p in params])
     np.testing.assert_allclose(results["fused"][0], results["staged"][0], rtol=1e-12)
     for fused, staged in zip(results["fused"][1], results["staged"][1]):

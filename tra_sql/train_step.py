@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql import graph
+from tra_sql.compile.dialect import DUCKDB
 from tra_sql.compile.program import Program
 from tra_sql.graph import Fill, Node, Source
 
@@ -98,8 +99,8 @@ def compile_step(roots: dict[str, Node], prefix: str, views: frozenset[str] = fr
         memo: dict[int, Node] = {}
         results = {key: _rebuild(node, view_subst, memo) for key, node in roots.items()}
         program = Program.compile(*results.values())
-        fused = program.union_query(results).sql(dialect="duckdb")
-        udfs |= program.kernels
+        fused, called = DUCKDB.render(program.union_query(results))
+        udfs |= program.kernels | called
     return Step(statements, udfs, tables, dict(roots), prologue, programs, fused)
 
 
