@@ -80,6 +80,20 @@ def test_both_ways_of_a_split_sum_are_fused(native, tiles):
     np.testing.assert_allclose(product.numpy(), x @ y, rtol=1e-12, atol=1e-12)
 
 
+def test_the_sql_front_end_is_fused(native):
+    """SQL statements with tensor functions run in DuckDB's dialect too: a query, EXPLAIN and
+    CREATE TENSOR of a split sum of products use the fused aggregate."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((6, 6))
+    native.from_numpy("fx", x, (3, 3), replace=True)
+    query = "SELECT * FROM einsum('ij,jk->ik', fx, fx)"
+    shown = native.explain_sql(query).lower()
+    assert "tra_contract_agg_float64(" in shown and "array_agg" not in shown
+    native.sql(f"CREATE OR REPLACE TENSOR fp AS {query}")
+    np.testing.assert_allclose(native.tensor("fp").numpy(), x @ x, rtol=1e-12, atol=1e-12)
+    assert len(native.sql(query).fetchall()) == 4
+
+
 def test_batched_with_the_contraction_split(native, arrow):
     rng = np.random.default_rng(6)
     x, y = rng.standard_normal((6, 5, 9)).astype(np.float32), rng.standard_normal((6, 9, 4)).astype(np.float32)

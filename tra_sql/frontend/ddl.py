@@ -12,6 +12,7 @@ from sqlglot.tokens import TokenType
 
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.dialect import DUCKDB
 from tra_sql.errors import SQLError, UnknownTensorError
 from tra_sql.frontend import query_tensor, tensor_views
 from tra_sql.frontend.blame import engine_error
@@ -78,7 +79,7 @@ def create_tensor(session: Session, statement: Statement, run: bool) -> str | No
         return _create_checked(session, statement, create, rewriter, tree, run)
     tensor, query = found
     info = TensorInfo(name, tensor.dtype, tensor.shape, tensor.tile, tensor.node.layout)
-    sql = query.sql(dialect="duckdb", pretty=not run)
+    sql = DUCKDB.render(query, pretty=not run)[0]
     if not run:
         return (f"-- tensor {name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}\n"
                 f'CREATE {"OR REPLACE " if replace else ""}TABLE "{name}" AS\n{sql}')
@@ -107,7 +108,7 @@ def _create_checked(session: Session, statement: Statement, create: CreateTensor
         return (f"-- tensor {info.name}: shape {info.shape}, tile {info.tile}, dtype {info.dtype}, layout "
                 f"{info.layout}; rows checked (keys in the grid and unique, tile sizes) before they are stored\n"
                 f'CREATE {"OR REPLACE " if create.replace else ""}TABLE "{info.name}" AS\n'
-                f"{select.sql(dialect='duckdb', pretty=True)}")
+                f"{DUCKDB.render(select, pretty=True)[0]}")
     if create.skipped(session, session.engine.object_kind(info.name) == "TABLE"):
         return None
     try:

@@ -15,6 +15,7 @@ from sqlglot import exp
 
 from tra_sql import catalog
 from tra_sql.catalog import TensorInfo
+from tra_sql.compile.dialect import DUCKDB
 from tra_sql.engines import duckdb_catalog
 from tra_sql.errors import ShapeError, SQLError
 from tra_sql.frontend.syntax import aliased, dtype_named, ints_literal, string_literal
@@ -90,7 +91,7 @@ def store_checked(session, info: TensorInfo, select: exp.Select, replace: bool) 
     as tensor ``info.name`` (table and catalog row at once); nothing is left on an error."""
     temp = f"_tra_new_{info.name}"
     engine = session.engine
-    engine.rows(f'CREATE OR REPLACE TEMP TABLE "{temp}" AS {select.sql(dialect="duckdb")}')
+    engine.rows(f'CREATE OR REPLACE TEMP TABLE "{temp}" AS {DUCKDB.render(select)[0]}')
     try:
         findings = duckdb_catalog.tile_findings(engine.con, TensorInfo(temp, info.dtype, info.shape, info.tile,
                                                                        info.layout))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import duckdb
 from sqlglot import exp
 
+from tra_sql.compile.dialect import DUCKDB
 from tra_sql.frontend import tensor_views, training
 from tra_sql.frontend.blame import blamed, engine_error
 from tra_sql.frontend.ddl import create_tensor, drop_tensor
@@ -115,7 +116,7 @@ class Frontend:
     def rewritten(self, statement: Statement, run: bool = False) -> str:
         """The SQL of a statement that calls tensor functions (``run``: it runs now)."""
         rewriter = Rewriter(self.session, run)
-        return rewriter.rewrite(rewriter.parse(statement.text)).sql(dialect="duckdb", pretty=not run)
+        return DUCKDB.render(rewriter.rewrite(rewriter.parse(statement.text)), pretty=not run)[0]
 
     def select(self, statement: Statement, params, cursor: bool):
         """Run a statement that calls tensor functions."""
