@@ -33,12 +33,20 @@ HEADER = """import numpy as np
 import tra_sql
 from tra_sql import nn
 from tra_sql.catalog import TensorInfo, assemble
+from tra_sql.train_step import compile_step, run_step
 
 def dense(t, tiles):  # a tile relation (arrow()) of tensor or node t as an ndarray, each tile key once
     node = getattr(t, "node", t)
     keys = set(zip(*(tiles.column(f"k{d}").to_pylist() for d in range(len(node.shape)))))
     assert tiles.num_rows == len(keys) if node.shape else tiles.num_rows <= 1, f"a tile key twice in {tiles}"
     return assemble(TensorInfo("t", node.dtype, node.shape, node.tile, node.layout), tiles)
+
+def stepped(t, fused):  # tensor t's tiles computed as a training step computes its roots
+    step = compile_step({"out": t.node}, "_diff_step", fuse_bytes=float("inf") if fused else 0)
+    rows = run_step(db, step)
+    if rows is None:  # the step's statements stored it
+        return db.engine.arrow(f'SELECT * FROM "{step.tables["out"]}"')
+    return rows.drop_columns(["target"])
 
 db = tra_sql.connect()
 """

@@ -125,8 +125,9 @@ def run_paths(program: Program, db, paths: list[str], namespace: dict | None = N
 
 @st.composite
 def duckdb_paths(draw, program: Program) -> list[str]:
-    """Every path of one output: as written, through arrow() and store(), under a roomy and a
-    tight (staged) plan for random workers, and with each fusion off that changes its SQL."""
+    """Every path of one output: as written, through arrow() and store(), as a training step's
+    root (its one query and its statements), under a roomy and a tight (staged) plan for random
+    workers, and with each fusion off that changes its SQL."""
     w = [draw(st.integers(1, 4)) for _ in range(3)]
     roomy, tight = draw(st.sampled_from(ROOMY)), draw(st.sampled_from(TIGHT))
     return [
@@ -134,6 +135,8 @@ def duckdb_paths(draw, program: Program) -> list[str]:
         "got = {v}.numpy()",
         "got = dense({v}, {v}.arrow())",
         'got = {v}.store("{v}_stored").numpy(plan=False)',
+        "got = dense({v}, stepped({v}, fused=True))",
+        "got = dense({v}, stepped({v}, fused=False))",
         f'got = {{v}}.numpy(plan=db.plan({{v}}, workers={w[0]}, memory="{roomy}"))',
         f'plan = db.plan({{v}}, workers={w[1]}, memory="{tight}")\ngot = dense({{v}}, {{v}}.arrow(plan=plan))',
         f'got = {{v}}.store("{{v}}_planned", plan=db.plan({{v}}, workers={w[2]}, memory="{tight}")).numpy(plan=False)',
