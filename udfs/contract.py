@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
@@ -73,6 +73,30 @@ def gemm_form(step) -> GemmForm | None:
         return None
     kind = {c: 0 for c in batch} | {c: 1 for c in left + right} | {c: 2 for c in contracted}
     return GemmForm((tuple(kind[c] for c in a), tuple(kind[c] for c in b)), trans_a, trans_b, swap)
+
+
+def _dense(step, dtype: str) -> bool:
+    """Whether ``step`` reads and writes dense tiles of ``dtype`` only and has no prologue."""
+    return (not step.layouts and step.out_layout == "dense" and not step.prologue and step.out_dtype == dtype
+            and set(step.dtypes) <= {dtype})
+
+
+def native_loop(step) -> bool:
+    """Whether a native per-row kernel computes the ``protocol.EinsumStep`` ``step``: dense
+    tiles of one float dtype, no prologue, its result either the BLAS product ``gemm_form``
+    reads as stored or a generated loop kernel's (not a product BLAS reads only after a copy:
+    ``TileEinsum`` runs those through ``np.matmul``), then an element-wise epilogue over dense
+    tiles of that dtype, if any."""
+    inner = replace(step, epilogue=None)
+    if step.out_dtype not in FLOATS or not _dense(step, step.out_dtype):
+        return False
+    if gemm_form(inner) is None and step.join is None and step.agg == "sum" \
+            and blas_groups(step.inputs, step.output) is not None:
+        return False
+    after = step.epilogue
+    return after is None or (_dense(after, step.out_dtype) and after.epilogue is None
+                             and after.inputs[after.position] == after.output
+                             and set("".join(after.inputs)) <= set(after.output))
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,7 @@ def _with_prologue(meta: TileStep, tiles: list, stacked: bool, count: int) -> li
 
 
 @implements("contract")
+@implements("loop")
 @implements("einsum")
 def einsum_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_einsum_<n>``: one output tile per joined row. When all tiles of an operand (and

@@ -218,6 +218,9 @@ SIGNATURES: dict[str, Signature] = {
     "einsum": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # an einsum that is a plain BLAS product of two tiles (``contract.gemm_form``): native where it can be
     "contract": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # an einsum over dense float tiles that a native loop (or BLAS) kernel computes, epilogue
+    # included (``contract.native_loop``): native where it can be, else ``einsum``'s UDF
+    "loop": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # one output tile per group, from its joined rows (fused join + aggregate); then k epilogue operands
     "einsum_agg": Signature(lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), numbered=True),
     # one output tile per group, the aggregate of its rows' partial results; then k epilogue operands

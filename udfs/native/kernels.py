@@ -21,6 +21,7 @@ import duckdb
 import numpy as np
 
 from tra_sql.errors import SpecError
+from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
@@ -39,16 +40,26 @@ class Native:
     plan: Callable[[str], tuple[np.ndarray, ...]]
 
 
-def _contract():
-    from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
+def _native(kind: str) -> Native:
+    """The per-row kernel (``contract.KERNEL``), specialised by its step's plan (``operands.plan``)."""
+    def callback() -> int:
+        from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
 
-    return contract
+        return contract.KERNEL.address
+
+    def plan(text: str) -> tuple[np.ndarray, ...]:
+        from tra_sql.udfs.native import operands
+
+        step = EinsumStep.decode(text)
+        if kind == "contract" and gemm_form(step) is None:
+            raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
+        return operands.plan(step)
+    return Native(callback, plan)
 
 
-#: kind -> its native implementation
-NATIVE: dict[str, Native] = {
-    "contract": Native(lambda: _contract().KERNEL.address, lambda text: _contract().plan(EinsumStep.decode(text))),
-}
+#: kind -> its native implementation: the BLAS product (``contract.gemm_form``) and the steps
+#: ``contract.native_loop`` accepts (``compile.dialect`` writes those as ``tra_loop_<n>``)
+NATIVE: dict[str, Native] = {kind: _native(kind) for kind in ("contract", "loop")}
 
 
 def requested() -> bool:
