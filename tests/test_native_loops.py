@@ -30,7 +30,7 @@ JOINS = {
         ("x0 * CASE WHEN x1 > 0.0 THEN 1 ELSE 0 END", lambda x, y: x * (y > 0))],
     3: [(None, lambda x, y, z: x * y * z), ("x0 * x1 + x2", lambda x, y, z: x * y + z)],
 }
-SPECS = ["ij->i", "ij->ji", "ij,jk->ik", "ij,ij->ij", "ij,j->ij", "ij,jk->ki", "i,j->ij", ",ij->ij",
+SPECS = ["ij->i", "ij->", "ij,ij->", "ij->ji", "ij,jk->ik", "ij,ij->ij", "ij,j->ij", "ij,jk->ki", "i,j->ij", ",ij->ij",
          "ij,jk,k->i", "ij,ij,->ij", "ijk,ik->ij"]
 AGGS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 

@@ -57,13 +57,13 @@ def body_source(kernel_module: str, inputs: tuple[str, ...], output: str, agg: s
         "def body(out, tiles, extents):",
         f"    t = u64(tiles, {len(inputs)})",
         f"    e = i64(extents, {max(flat, 1)})",
-        f"    o = {array('out', out_shape)}",
+        f"    o = {view}(out, {' * '.join(out_shape) or '1'})",
     ]
     if not assign:
         identity = AGGREGATES[agg].identity(np.dtype(dtype))
         lines.append(f"    o.fill(np.{dtype}({_literal(identity)}))")
     operands = ", ".join(array(f"t[{m}]", shape) for m, shape in enumerate(shapes))
-    lines.append(f"    kernel(o, {operands})")
+    lines.append(f"    kernel(o.reshape(({''.join(s + ', ' for s in out_shape)})), {operands})")
     return "\n".join(lines) + "\n"
 
 
