@@ -285,6 +285,8 @@ def _fusion_case(db, name: str):
         return nn.mlp(db, x, layers), "TRA_CHAIN"
     if name == "contractions":  # a split sum of BLAS products: one fused aggregate on DuckDB
         return db.einsum("ij,jk->ik", put("A", (4, 6), (4, 2)), put("B", (6, 4), (2, 4))), "TRA_CONTRACT_AGG"
+    if name == "loops":  # a per-row step over dense float tiles: the native loop kernel on DuckDB
+        return db.einsum("ij,ij->ij", put("A", (4, 6), (2, 3)), put("B", (4, 6), (2, 3)), join="x0 - x1"), "TRA_LOOP_"
     # (max: the two ways of aggregating stay visible, where DuckDB's dialect fuses a sum of products)
     if name == "partials":  # a partial product per joined row is smaller than its two input tiles
         return db.einsum("ij,jk->ik", put("A", (4, 6), (4, 2)), put("B", (6, 4), (2, 4)), agg="max"), "TRA_REDUCE"

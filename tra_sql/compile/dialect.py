@@ -70,15 +70,16 @@ class Dialect:
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """The engine's form of a kernel call (``blocks.call``): ``tra_einsum_<n>`` of a step
-        ``contract.native_loop`` accepts becomes ``tra_loop_<n>`` (native on DuckDB: the loop
-        kernel or BLAS product and the epilogue without Arrow; DuckDB binds one function per
-        name, so the native kernels get their steps by name); ``tra_reduce(meta, keys,
+        ``contract.native_loop`` accepts becomes ``tra_loop_<n>`` unless ``passes.fusions``
+        switched ``loops`` off (native on DuckDB: the loop kernel or BLAS product and the
+        epilogue without Arrow; DuckDB binds one function per name, so the native kernels get
+        their steps by name); ``tra_reduce(meta, keys,
         ARRAY_AGG(tile))`` without epilogue, over dense tiles, becomes the aggregate
         ``tra_reduce_<agg>_<dtype>(meta, keys, tile)`` (``protocol.TILE_REDUCTIONS``; native
         on DuckDB: one tile of state per group, no list)."""
         kernel, step = node.meta["kernel"], node.meta["step"]
         args = node.expressions
-        if kernel.kind == "einsum" and native_loop(step):
+        if kernel.kind == "einsum" and "loops" in passes.enabled and native_loop(step):
             return call(Kernel("loop", kernel.arity), step, [a.copy() for a in args[1:]])
         if kernel.kind != "reduce" or kernel.epilogue or step.epilogue is not None or len(args) != 3 \
                 or not isinstance(args[2], exp.ArrayAgg) or step.out_layout != "dense":
