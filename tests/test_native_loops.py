@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tra_sql
+from tra_sql import nn
 from tra_sql.compile.program import Program
 from tra_sql.errors import CorruptTileError
 from tra_sql.udfs.contract import native_loop
@@ -234,3 +235,48 @@ def test_many_rows_on_two_threads(native):
                         native.from_numpy("row", y, replace=True), join="greatest(x0 * x1, 0.0)")
     assert "tra_loop_2(" in out.sql().lower()
     np.testing.assert_allclose(out.numpy(), np.maximum(x * y, 0.0), rtol=1e-6)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
+def test_chains_equal_numpy_and_the_arrow_path(native, arrow, dtype, data):
+    """An MLP's layers at inference (``nn.mlp``: a chain of BLAS products, bias epilogues and
+    ReLUs) in one ``tra_loop_chain_<n>`` call per row tile."""
+    n, f, h, c = (data.draw(st.integers(1, 9), label=label) for label in ("rows", "features", "hidden", "classes"))
+    rows = data.draw(st.integers(1, n), label="row tile")
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((n, f)).astype(dtype)
+    weights = [rng.standard_normal(shape).astype(dtype) for shape in [(f, h), (h,), (h, c), (c,)]]
+    results = []
+    for db, tag in ((native, "n"), (arrow, "a")):
+        w1, b1, w2, b2 = (db.from_numpy(f"{tag}mlp{k}", w, replace=True) for k, w in enumerate(weights))
+        out = nn.mlp(db, db.from_numpy(f"{tag}mlpx", x, (rows, f), replace=True), [(w1, b1), (w2, b2)])
+        sql = out.sql().lower()
+        assert "tra_loop_chain_" in sql, sql  # (on both paths: the Arrow path's is the tra_chain_<n> UDF)
+        results.append(out.numpy())
+    w1, b1, w2, b2 = (w.astype(np.float64) for w in weights)
+    want = np.maximum(x.astype(np.float64) @ w1 + b1, 0) @ w2 + b2
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(results[0], want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(results[0], results[1], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("change, message", CORRUPTIONS)
+def test_a_corrupt_leaf_of_a_chain_raises(change, message):
+    with tra_sql.connect() as db:
+        rng = np.random.default_rng(11)
+        x, w1, b1, w2, b2 = (rng.standard_normal(s).astype(np.float32) for s in [(6, 4), (4, 5), (5,), (5, 2), (2,)])
+        put = db.from_numpy
+        layers = [(put("w1", w1), put("b1", b1)), (put("w2", w2), put("b2", b2))]
+        out = nn.mlp(db, db.from_numpy("x", x, (3, 4)), layers)
+        assert "tra_loop_chain_" in out.sql().lower()
+        want = out.numpy()
+        db.engine.con.execute(f"UPDATE b1 SET {change} WHERE k0 = 0")
+        message = message.format(twice=40, once=20, shape="5")
+        with pytest.raises(duckdb.Error, match=f"CorruptTileError: tile \\(0\\) of tensor 'b1' {message}"):
+            _raw(db, out)
+        with pytest.raises(CorruptTileError):
+            out.numpy()
+        db.from_numpy("b1", b1, replace=True)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)

@@ -99,6 +99,15 @@ def native_loop(step) -> bool:
                              and set("".join(after.inputs)) <= set(after.output))
 
 
+def native_chain(chain) -> bool:
+    """Whether a native per-row kernel computes the ``protocol.ChainStep`` ``chain``: every
+    leaf and every step over dense tiles of one float dtype, each step one that
+    ``native_loop`` accepts (none has an epilogue: a chain's epilogues are steps of their own)."""
+    dtype = chain.leaves.out_dtype
+    return (dtype in FLOATS and _dense(chain.leaves, dtype)
+            and all(_dense(step, dtype) and step.epilogue is None and native_loop(step) for step in chain.steps))
+
+
 @dataclass(frozen=True)
 class TileEinsum:
     """``out[o] = agg over the other indices of join(x0[...], ..., xn[...])`` on one tile set.

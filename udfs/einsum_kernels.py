@@ -190,6 +190,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
 
 
+@implements("loop_chain")
 @implements("chain")
 def chain_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_chain_<n>``: per joined row, the chain's steps one after another; only the last

@@ -227,6 +227,9 @@ SIGNATURES: dict[str, Signature] = {
     "reduce": Signature(lambda n, k: (META, KEYS, f"{TILE}[]", *_pairs(k))),
     "attention": Signature(lambda n, k: (META, KEYS, _rows(n)), numbered=True),
     "chain": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # a chain whose steps native loop (or BLAS) kernels compute (``contract.native_chain``): native
+    # where it can be, else ``chain``'s UDF
+    "loop_chain": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     "place": Signature(lambda n, k: (META, KEYS, f"STRUCT(origin {KEYS}, shape {KEYS}, part INTEGER, tile {TILE})[]")),
     "fill": Signature(lambda n, k: (META, KEYS)),
     # grouped aggregates (Spark): a group's rows come in batches
@@ -317,6 +320,11 @@ def tile_reduction(agg: str, dtype: str) -> Kernel | None:
 REDUCTIONS = tuple(Kernel(f"reduce_{agg}_{dtype}") for agg, dtype in TILE_REDUCTIONS)
 CONTRACTIONS = tuple(Kernel(f"contract_agg_{dtype}") for dtype in FLOATS)
 CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contraction aggregates fuse
+
+
+#: kind -> the kind DuckDB's dialect writes for the steps a native loop kernel computes (an
+#: engine registers both: ``tra_loop_<n>`` with ``tra_einsum_<n>``)
+NATIVE_FORM = {"einsum": "loop", "chain": "loop_chain"}
 
 
 def fused_contraction(dtype: str) -> Kernel | None:

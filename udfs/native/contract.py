@@ -20,10 +20,11 @@ from tra_sql.udfs.native.operands import HEADER, OPERAND, gemm_sizes, operands, 
 
 
 @njit(cache=True)
-def gemm(plan, a, b, out, batch, m, n, k, beta) -> None:
+def gemm(plan, blas, a, b, out, batch, m, n, k, beta) -> None:
     """``out`` = the batched product of tiles at ``a`` and ``b`` (addresses) plus ``beta``
-    times ``out``."""
-    trans_a, trans_b, swap, item = plan[6], plan[7], plan[8], np.uint64(plan[1])
+    times ``out``: the dtype and itemsize are ``plan``'s first words, ``blas`` holds trans_a,
+    trans_b and swap (``contract.GemmForm``)."""
+    trans_a, trans_b, swap, item = blas[0], blas[1], blas[2], np.uint64(plan[1])
     lda = m if trans_a else k
     ldb = k if trans_b else n
     for z in range(batch):
@@ -42,7 +43,6 @@ def gemm(plan, a, b, out, batch, m, n, k, beta) -> None:
                 SGEMM(ROW_MAJOR, ta, tb, m, n, k, np.float32(1), az, lda, bz, ldb, np.float32(beta), cz, n)
             else:
                 DGEMM(ROW_MAJOR, ta, tb, m, n, k, 1.0, az, lda, bz, ldb, np.float64(beta), cz, n)
-
 
 
 @njit(cache=True)
@@ -85,7 +85,7 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
         if nbytes and plan[9] == 0:
             gemm_sizes(plan, extents, sizes)
             lock(np.uint64(plan[5]))  # BLAS uses every core: one product at a time
-            gemm(plan, tiles[0], tiles[1], out, sizes[0], sizes[1], sizes[3], sizes[2], 0.0)
+            gemm(plan, plan[6:9], tiles[0], tiles[1], out, sizes[0], sizes[1], sizes[3], sizes[2], 0.0)
             unlock(np.uint64(plan[5]))
         elif nbytes:
             call3(np.uint64(plan[9]), out, tiles.ctypes.data, extents.ctypes.data)

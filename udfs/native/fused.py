@@ -109,6 +109,6 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             return
         if nbytes:
             lock(np.uint64(steps_plan[5]))  # BLAS uses every core: one product at a time
-            gemm(steps_plan, tiles[0], tiles[1], state[0], batch, m, n, k, beta)
+            gemm(steps_plan, steps_plan[6:9], tiles[0], tiles[1], state[0], batch, m, n, k, beta)
             unlock(np.uint64(steps_plan[5]))
 

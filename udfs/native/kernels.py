@@ -25,7 +25,7 @@ from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
-from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, EinsumStep, Kernel
+from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -40,7 +40,7 @@ class Native:
     plan: Callable[[str], tuple[np.ndarray, ...]]
 
 
-def _native(kind: str) -> Native:
+def _row(kind: str) -> Native:
     """The per-row kernel (``contract.KERNEL``), specialised by its step's plan (``operands.plan``)."""
     def callback() -> int:
         from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
@@ -57,9 +57,24 @@ def _native(kind: str) -> Native:
     return Native(callback, plan)
 
 
-#: kind -> its native implementation: the BLAS product (``contract.gemm_form``) and the steps
-#: ``contract.native_loop`` accepts (``compile.dialect`` writes those as ``tra_loop_<n>``)
-NATIVE: dict[str, Native] = {kind: _native(kind) for kind in ("contract", "loop")}
+def _chain() -> Native:
+    """The chain kernel (``chain.KERNEL``), specialised by its chain's plan (``chain.plan``)."""
+    def callback() -> int:
+        from tra_sql.udfs.native import chain
+
+        return chain.KERNEL.address
+
+    def plan(text: str) -> tuple[np.ndarray, ...]:
+        from tra_sql.udfs.native import chain
+
+        return chain.plan(ChainStep.decode(text))
+    return Native(callback, plan)
+
+
+#: kind -> its native implementation: the BLAS product (``contract.gemm_form``), the steps
+#: ``contract.native_loop`` accepts and the chains ``contract.native_chain`` accepts
+#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``)
+NATIVE: dict[str, Native] = {"contract": _row("contract"), "loop": _row("loop"), "loop_chain": _chain()}
 
 
 def requested() -> bool:

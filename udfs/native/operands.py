@@ -37,21 +37,15 @@ DIM = 4
 MESSAGE = 512
 
 
-def _code(step: EinsumStep) -> str:
-    return join_code(step.join, len(step.inputs)) if step.join else " * ".join(f"x{m}" for m in range(len(step.inputs)))
-
-
 def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
     """(the plan, the text it points to) of a step ``gemm_form`` or ``native_loop`` accepts."""
-    inner = replace(step, epilogue=None)
-    form = gemm_form(inner)
+    form = gemm_form(replace(step, epilogue=None))
     if form is None and not native_loop(step):
         raise ValueError(f"{step.inputs}->{step.output} is not a native product or loop")
     after = step.epilogue
-    index = {c: i for i, c in enumerate(dict.fromkeys("".join(step.inputs) + step.output))}
-    subs, names, dims = list(step.inputs), list(step.names), []
-    for sub, groups in zip(step.inputs, form.groups if form else [()] * len(step.inputs)):
-        dims += [(step.sizes[c], step.tiles[c], index[c], groups[d] if groups else 0) for d, c in enumerate(sub)]
+    index = indices(step.inputs, step.output)
+    subs, names = list(step.inputs), list(step.names)
+    dims = dimensions(step, index, form.groups if form else None)
     slots = []
     if after is not None:  # the epilogue's indices are the step's output's
         ours = {c: step.output[after.output.index(c)] for c in after.output}
@@ -61,24 +55,53 @@ def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
                 subs.append(sub)
                 names.append(after.names[j])
                 dims += [(after.sizes[c], after.tiles[c], index[ours[c]], 0) for c in sub]
-    firsts = np.cumsum([0] + [len(sub) for sub in subs])
-    flat = {}
-    for sub, first in zip(step.inputs, firsts):
+    blas = (form.trans_a, form.trans_b, form.swap) if form else (0, 0, 0)
+    body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
+    epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype) if after else 0
+    return tables(step.out_dtype, subs, names, dims, sources(step.inputs, step.output), slots, blas, body, epilogue,
+                  len(step.inputs), len(index))
+
+
+def code(step: EinsumStep) -> str:
+    """The Numba expression of ``step``'s join (the product without one)."""
+    return join_code(step.join, len(step.inputs)) if step.join else " * ".join(f"x{m}" for m in range(len(step.inputs)))
+
+
+def indices(inputs, output: str) -> dict[str, int]:
+    """A number per index, in order of first appearance."""
+    return {c: i for i, c in enumerate(dict.fromkeys("".join(inputs) + output))}
+
+
+def dimensions(step: EinsumStep, index: dict[str, int], groups=None) -> list[tuple[int, ...]]:
+    """(size, tile, index, BLAS group) of every dimension of ``step``'s operands."""
+    return [(step.sizes[c], step.tiles[c], index[c], groups[m][d] if groups else 0)
+            for m, sub in enumerate(step.inputs) for d, c in enumerate(sub)]
+
+
+def sources(inputs, output: str) -> list[int]:
+    """Per output index, the position (operand after operand) of its first dimension."""
+    flat: dict[str, int] = {}
+    at = 0
+    for sub in inputs:
         for d, c in enumerate(sub):
-            flat.setdefault(c, int(first) + d)
-    words = [name.encode() for name in names] + [step.out_dtype.encode()]
+            flat.setdefault(c, at + d)
+        at += len(sub)
+    return [flat[c] for c in output]
+
+
+def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue: int, own: int,
+           count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The plan (see the layout above) and its text."""
+    words = [name.encode() for name in names] + [dtype.encode()]
     text = np.frombuffer(b"".join(words) + b"\x00", dtype=np.uint8).copy()
     starts = np.cumsum([0] + [len(w) for w in words])
-    body = 0 if form else loops.body(step.inputs, step.output, _code(step), step.agg, step.out_dtype)
-    epilogue = loops.body(after.inputs, after.output, _code(after), after.agg, step.out_dtype) if after else 0
-    blas = (form.trans_a, form.trans_b, form.swap) if form else (0, 0, 0)
-    header = [0 if step.out_dtype == "float32" else 1, np.dtype(step.out_dtype).itemsize, len(subs),
-              len(step.inputs), text.ctypes.data, cores.MUTEX, *blas, body, epilogue, len(step.output), len(slots),
-              len(dims), len(index), int(starts[-2]), len(words[-1])]
+    firsts = np.cumsum([0] + [len(sub) for sub in subs])
+    header = [0 if dtype == "float32" else 1, np.dtype(dtype).itemsize, len(subs), own, text.ctypes.data,
+              cores.MUTEX, *blas, body, epilogue, len(out), len(slots), len(dims), count, int(starts[-2]),
+              len(words[-1])]
     for m, sub in enumerate(subs):
         header += [len(sub), int(firsts[m]), int(starts[m]), len(words[m])]
-    header += [flat[c] for c in step.output] + slots
-    return np.array(header + [v for dim in dims for v in dim], dtype=np.int64), text
+    return np.array(header + list(out) + list(slots) + [v for dim in dims for v in dim], dtype=np.int64), text
 
 
 @njit(cache=True)
