@@ -280,3 +280,29 @@ def test_a_corrupt_leaf_of_a_chain_raises(change, message):
             out.numpy()
         db.from_numpy("b1", b1, replace=True)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from([np.float32, np.float64]), affine=st.booleans(), data=st.data())
+def test_steps_with_a_prologue_run_as_native_chains(native, arrow, dtype, affine, data):
+    """Layer norm (a step whose mean and variance operands its prologue computes) as one
+    ``tra_loop_chain_<n>`` call per row tile (``contract.prologue_chain``)."""
+    n, f = data.draw(st.integers(1, 9), label="rows"), data.draw(st.integers(1, 9), label="features")
+    rows = data.draw(st.integers(1, n), label="row tile")
+    rng = np.random.default_rng(12)
+    x, g, c = rng.standard_normal((n, f)).astype(dtype), rng.standard_normal(f).astype(dtype), \
+        rng.standard_normal(f).astype(dtype)
+    results = []
+    for db, tag in ((native, "n"), (arrow, "a")):
+        extra = [db.from_numpy(f"{tag}g", g, replace=True), db.from_numpy(f"{tag}c", c, replace=True)] if affine else []
+        out = nn.layer_norm(db, db.from_numpy(f"{tag}lx", x, (rows, f), replace=True), *extra)
+        sql = out.sql().lower()
+        assert "tra_loop_chain_" in sql and '"prologue"' not in sql and not PER_ROW_UDF.search(sql), sql
+        results.append(out.numpy())
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    want = want * g + c if affine else want
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(results[0], want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(results[0], results[1], rtol=tol, atol=tol)

@@ -12,7 +12,7 @@ from tra_sql.aggregates import AGGREGATES
 from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
-from tra_sql.udfs.protocol import FLOATS
+from tra_sql.udfs.protocol import FLOATS, ChainStep, EinsumStep
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
 
@@ -106,6 +106,27 @@ def native_chain(chain) -> bool:
     dtype = chain.leaves.out_dtype
     return (dtype in FLOATS and _dense(chain.leaves, dtype)
             and all(_dense(step, dtype) and step.epilogue is None and native_loop(step) for step in chain.steps))
+
+
+def prologue_chain(step) -> ChainStep | None:
+    """The ``protocol.EinsumStep`` ``step``, which has a prologue (and, as the compiler writes
+    them, no epilogue), as the chain that computes the same per joined row: its prologue's
+    steps, then itself, reading its present operands as the leaves; None unless
+    ``native_chain`` accepts that chain."""
+    if step.epilogue is not None:
+        return None
+    computed = {p.position: k for k, p in enumerate(step.prologue)}
+    leaf = {m: i for i, m in enumerate(step.present)}
+
+    def origin(m: int) -> int:
+        return leaf[m] if m in leaf else -1 - computed[m]
+
+    steps = [replace(p, sources=tuple(map(origin, p.sources))) for p in step.prologue]
+    steps.append(replace(step, prologue=(), position=0, sources=tuple(map(origin, range(len(step.inputs))))))
+    inputs, names, dtypes = (tuple(getattr(step, f)[m] for m in step.present) for f in ("inputs", "names", "dtypes"))
+    chain = ChainStep(EinsumStep(inputs, step.output, step.sizes, step.tiles, dtypes, step.out_dtype, names),
+                      tuple(steps))
+    return chain if native_chain(chain) else None
 
 
 @dataclass(frozen=True)

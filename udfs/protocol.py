@@ -322,9 +322,9 @@ CONTRACTIONS = tuple(Kernel(f"contract_agg_{dtype}") for dtype in FLOATS)
 CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contraction aggregates fuse
 
 
-#: kind -> the kind DuckDB's dialect writes for the steps a native loop kernel computes (an
-#: engine registers both: ``tra_loop_<n>`` with ``tra_einsum_<n>``)
-NATIVE_FORM = {"einsum": "loop", "chain": "loop_chain"}
+#: kind -> the kinds DuckDB's dialect may write instead for the steps native loop kernels
+#: compute (a step with a prologue as a chain; an engine registers them with the kind)
+NATIVE_FORMS = {"einsum": ("loop", "loop_chain"), "chain": ("loop_chain",)}
 
 
 def fused_contraction(dtype: str) -> Kernel | None:
