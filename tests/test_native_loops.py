@@ -306,3 +306,16 @@ def test_steps_with_a_prologue_run_as_native_chains(native, arrow, dtype, affine
     tol = 1e-4 if dtype == np.float32 else 1e-10
     np.testing.assert_allclose(results[0], want, rtol=tol, atol=tol)
     np.testing.assert_allclose(results[0], results[1], rtol=tol, atol=tol)
+
+
+def test_a_chain_over_many_rows_on_two_threads(native):
+    """130,000 row tiles through a two-layer chain: both threads, each with its step buffers."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((130_000, 2)).astype(np.float32)
+    w1, b1, w2, b2 = (rng.standard_normal(s).astype(np.float32) for s in [(2, 3), (3,), (3, 2), (2,)])
+    put = native.from_numpy
+    layers = [(put("cw1", w1, replace=True), put("cb1", b1, replace=True)),
+              (put("cw2", w2, replace=True), put("cb2", b2, replace=True))]
+    out = nn.mlp(native, put("ctall", x, (1, 2), replace=True), layers)
+    assert "tra_loop_chain_" in out.sql().lower()
+    np.testing.assert_allclose(out.numpy(), np.maximum(x @ w1 + b1, 0) @ w2 + b2, rtol=1e-5, atol=1e-5)
