@@ -21,7 +21,6 @@ import ctypes
 import numpy as np
 from numba import cfunc, types
 
-from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
 from tra_sql.udfs.native.capi import NATIVE as C
@@ -45,10 +44,7 @@ def found(text: str) -> tuple[np.ndarray, ...]:
     then the step's plan (the arrays after it: what the plan points to); or a word 1, the
     length of an error message, then the message and a NUL."""
     try:
-        step = EinsumStep.decode(text)
-        if gemm_form(step) is None:
-            raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
-        product, names = plan(step)
+        product, names = plan(EinsumStep.decode(text), product=True)
     except Exception as err:  # not a native product's step: the update reports it
         message = f"{ERROR_PREFIX}{type(err).__name__}: the step of a fused contraction: {err}".encode()
         record = np.zeros(16 + len(message) + 1, dtype=np.uint8)

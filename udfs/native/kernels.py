@@ -21,7 +21,6 @@ import duckdb
 import numpy as np
 
 from tra_sql.errors import SpecError
-from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
@@ -50,10 +49,7 @@ def _row(kind: str) -> Native:
     def plan(text: str) -> tuple[np.ndarray, ...]:
         from tra_sql.udfs.native import operands
 
-        step = EinsumStep.decode(text)
-        if kind == "contract" and gemm_form(step) is None:
-            raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
-        return operands.plan(step)
+        return operands.plan(EinsumStep.decode(text), product=kind == "contract")
     return Native(callback, plan)
 
 

@@ -37,8 +37,11 @@ DIM = 4
 MESSAGE = 512
 
 
-def plan(step: EinsumStep) -> tuple[np.ndarray, np.ndarray]:
-    """(the plan, the text it points to) of a step ``gemm_form`` or ``native_loop`` accepts."""
+def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(the plan, the text it points to) of a step ``gemm_form`` or (unless ``product``: the
+    BLAS product's kernels, ``tra_contract_2`` and the fused aggregate) ``native_loop`` accepts."""
+    if product and gemm_form(step) is None:
+        raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
     form = gemm_form(replace(step, epilogue=None))
     if form is None and not native_loop(step):
         raise ValueError(f"{step.inputs}->{step.output} is not a native product or loop")
