@@ -4,6 +4,8 @@
     python bench/bench_native.py --quick    # 256², tiles 256 / 128 / 64 / 32: a smoke run
     python bench/bench_native.py --batched  # bij,bjk->bik 64x512² float32 against numpy.matmul
     python bench/bench_native.py --batched --quick  # 8x64²: a smoke run
+    python bench/bench_native.py --epilogue # relu(x @ w + b) 4096² float32, row tiles of 4096/2048/1024
+    python bench/bench_native.py --epilogue --quick  # 256²: a smoke run
 
 Per tiling, each repetition times, one after another (interleaved): ``x @ y``; the floor (the
 same BLAS calls on NumPy tiles: one product per pair of tiles, summed per output tile, then
@@ -15,6 +17,11 @@ run as the fused contraction aggregate on the native path (docs/kernels.md).
 ``--batched`` (the issue's third row): ``db.einsum("bij,bjk->bik")`` against
 ``numpy.matmul(x, y)``, batch tiles of 8 with the whole 512² matrices, and with ``j`` split in
 two (the fused aggregate), native and Arrow.
+
+``--epilogue``: ``relu(x @ w + b)`` (``db.einsum("Ao,o->Ao", db.einsum("Ai,io->Ao", x, w), b,
+join="greatest(x0 + x1, 0.0)")``, one ``tra_loop_3`` call per output tile: the BLAS product and
+the epilogue, docs/kernels.md) against ``numpy.maximum(x @ w + b, 0)``; ``x`` in row tiles, ``w``
+in column tiles (``i`` whole), native and Arrow.
 """
 
 from __future__ import annotations
@@ -93,15 +100,46 @@ def batched(quick: bool, repeat: int) -> None:
         db.close()
 
 
+def epilogue(quick: bool, repeat: int) -> None:
+    n = 256 if quick else 4096
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    want = np.maximum(x @ w + b, 0)
+    print(f"machine: {machine()}; relu(x @ w + b) {n}² float32, median of {repeat} interleaved\n")
+    print("| tiles x, w | numpy s | native s | arrow s | native/numpy | arrow/numpy |")
+    print("|---|---|---|---|---|---|")
+    sessions = {kind: session(kind) for kind in ("native", "arrow")}
+    for t in (n, n // 2, n // 4):
+        runs = {"numpy": lambda: np.maximum(x @ w + b, 0)}
+        for kind, db in sessions.items():
+            h = db.einsum("Ai,io->Ao", db.from_numpy("x", x, (t, n), replace=True),
+                          db.from_numpy("w", w, (n, t), replace=True))
+            out = db.einsum("Ao,o->Ao", h, db.from_numpy("b", b, (t,), replace=True), join="greatest(x0 + x1, 0.0)")
+            if kind == "native" and "tra_loop_3(" not in out.sql().lower():
+                raise SystemExit("the product with its epilogue is not one native call")
+            np.testing.assert_allclose(out.numpy(), want, rtol=1e-3, atol=1e-3)  # (and the warm-up)
+            runs[kind] = out.numpy
+        m = _medians(runs, repeat)
+        print(f"| ({t}, {n}), ({n}, {t}) | {m['numpy']:.3f} | {m['native']:.3f} | {m['arrow']:.3f} | "
+              f"{m['native'] / m['numpy']:.2f} | {m['arrow'] / m['numpy']:.2f} |", flush=True)
+    for db in sessions.values():
+        db.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256² (batched: 8x64²), 3 repetitions")
     parser.add_argument("--batched", action="store_true", help="bij,bjk->bik against numpy.matmul")
+    parser.add_argument("--epilogue", action="store_true", help="relu(x @ w + b) against numpy")
     parser.add_argument("--repeat", type=int, default=None, help="timed repetitions (default 5; 3 quick)")
     args = parser.parse_args()
     repeat = args.repeat or (3 if args.quick else 5)
     if args.batched:
         batched(args.quick, repeat)
+        return
+    if args.epilogue:
+        epilogue(args.quick, repeat)
         return
     n = 256 if args.quick else 4096
     rng = np.random.default_rng(0)

@@ -278,16 +278,18 @@ def _fusion_case(db, name: str):
         probs = nn.softmax(db, db.einsum("qd,sd->qs", q, k), scale=0.5)
         return db.einsum("qs,sv->qv", probs, v), "TRA_ATTENTION"
     if name == "prologue":
-        return nn.layer_norm(db, put("X", (5, 4), (2, 4))), '"prologue"'
+        return nn.layer_norm(db, put("X", (5, 4), (2, 4))), "TRA_LOOP_CHAIN_1("  # (its prologue's chain reads X alone)
     if name == "epilogue":
         x, w, b = put("X", (5, 4), (2, 2)), put("W", (4, 3), (2, 3)), put("B", (3,))
         return db.einsum("bh,h->bh", db.einsum("bi,ih->bh", x, w), b, join="greatest(x0 + x1, 0)"), '"epilogue"'
     if name == "chain":
         x = put("X", (6, 4), (3, 4))
         layers = [(put("W1", (4, 5)), put("B1", (5,))), (put("W2", (5, 2)), put("B2", (2,)))]
-        return nn.mlp(db, x, layers), "TRA_CHAIN"
+        return nn.mlp(db, x, layers), "TRA_LOOP_CHAIN_"
     if name == "contractions":  # a split sum of BLAS products: one fused aggregate on DuckDB
         return db.einsum("ij,jk->ik", put("A", (4, 6), (4, 2)), put("B", (6, 4), (2, 4))), "TRA_CONTRACT_AGG"
+    if name == "loops":  # a per-row step over dense float tiles: the native loop kernel on DuckDB
+        return db.einsum("ij,ij->ij", put("A", (4, 6), (2, 3)), put("B", (4, 6), (2, 3)), join="x0 - x1"), "TRA_LOOP_"
     # (max: the two ways of aggregating stay visible, where DuckDB's dialect fuses a sum of products)
     if name == "partials":  # a partial product per joined row is smaller than its two input tiles
         return db.einsum("ij,jk->ik", put("A", (4, 6), (4, 2)), put("B", (6, 4), (2, 4)), agg="max"), "TRA_REDUCE"

@@ -174,7 +174,7 @@ def test_row_statistics_computed_in_the_step_that_reads_them(db, put, tile):
              (nn.softmax(db, X, scale=0.5), e / e.sum(-1, keepdims=True)),
              (nn.log_softmax(db, X), np.log(np_softmax(x)))]
     for got, want in cases:
-        assert "MATERIALIZED" not in got.sql() and got.sql().count("TRA_EINSUM") == 1
+        assert "MATERIALIZED" not in got.sql() and got.sql().count("TRA_LOOP_CHAIN_") == 1
         close(got.numpy(), want, np.float64)
     mean = db.einsum("abz->ab", X, join="x0 / 7")  # statistics out of their order, an operand after them
     var = db.einsum("abz,ab->ab", X, mean, join="(x0 - x1) * (x0 - x1) / 7")
@@ -184,7 +184,7 @@ def test_row_statistics_computed_in_the_step_that_reads_them(db, put, tile):
     top = db.einsum("abz->ab", X, agg="max")
     twice = db.einsum("abz,ab->abz", db.einsum("abz,ab->abz", X, top, join="x0 - x1"), top, join="x0 + x1")
     sql = twice.sql()
-    assert sql.count("AS MATERIALIZED") == 1 and "TRA_CHAIN_3(" in sql  # the max a step, the two joins chained
+    assert sql.count("AS MATERIALIZED") == 1 and "TRA_LOOP_CHAIN_3(" in sql  # the max a step, the two joins chained
     close(twice.numpy(), x, np.float64)
 
 

@@ -138,9 +138,17 @@ def loop_kernel(inputs: tuple[str, ...], output: str, join_code: str, agg: str, 
 @cache
 def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parallel: bool, sparse: tuple[int, ...],
           assign: bool):
-    source = kernel_source(inputs, output, join_code, agg, parallel, sparse, assign)
+    return load_module(kernel_source(inputs, output, join_code, agg, parallel, sparse, assign), "tra_kernel").kernel
+
+
+def load_module(source: str, prefix: str):
+    """The module of generated ``source``, written once as ``<prefix>_<digest>.py`` in the
+    kernel cache directory (Numba caches the machine code of its functions beside it) and
+    imported under that name (callers hold a lock: the first import compiles)."""
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-    module_name = f"tra_kernel_{digest}"
+    module_name = f"{prefix}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     path = cache_dir() / f"{module_name}.py"
     if not path.exists():  # write, then rename: other processes see a whole file or none
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -150,5 +158,9 @@ def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parall
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # Numba's cache locator looks the module up by name
-    spec.loader.exec_module(module)
-    return module.kernel
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
@@ -12,7 +12,7 @@ from tra_sql.aggregates import AGGREGATES
 from tra_sql.udfs import sparse
 from tra_sql.udfs.codegen import canonical, loop_kernel
 from tra_sql.udfs.cores import all_cores
-from tra_sql.udfs.protocol import FLOATS
+from tra_sql.udfs.protocol import FLOATS, ChainStep, EinsumStep
 
 PARALLEL_ELEMENTS = 1 << 16  # output tiles this big run the threaded variant of a loop kernel
 
@@ -73,6 +73,60 @@ def gemm_form(step) -> GemmForm | None:
         return None
     kind = {c: 0 for c in batch} | {c: 1 for c in left + right} | {c: 2 for c in contracted}
     return GemmForm((tuple(kind[c] for c in a), tuple(kind[c] for c in b)), trans_a, trans_b, swap)
+
+
+def _dense(step, dtype: str) -> bool:
+    """Whether ``step`` reads and writes dense tiles of ``dtype`` only and has no prologue."""
+    return (not step.layouts and step.out_layout == "dense" and not step.prologue and step.out_dtype == dtype
+            and set(step.dtypes) <= {dtype})
+
+
+def native_loop(step) -> bool:
+    """Whether a native per-row kernel computes the ``protocol.EinsumStep`` ``step``: dense
+    tiles of one float dtype, no prologue, its result either the BLAS product ``gemm_form``
+    reads as stored or a generated loop kernel's (not a product BLAS reads only after a copy:
+    ``TileEinsum`` runs those through ``np.matmul``), then an element-wise epilogue over dense
+    tiles of that dtype, if any."""
+    inner = replace(step, epilogue=None)
+    if step.out_dtype not in FLOATS or not _dense(step, step.out_dtype):
+        return False
+    if gemm_form(inner) is None and step.join is None and step.agg == "sum" \
+            and blas_groups(step.inputs, step.output) is not None:
+        return False
+    after = step.epilogue
+    return after is None or (_dense(after, step.out_dtype) and after.epilogue is None
+                             and after.inputs[after.position] == after.output
+                             and set("".join(after.inputs)) <= set(after.output))
+
+
+def native_chain(chain) -> bool:
+    """Whether a native per-row kernel computes the ``protocol.ChainStep`` ``chain``: every
+    leaf and every step over dense tiles of one float dtype, each step one that
+    ``native_loop`` accepts (none has an epilogue: a chain's epilogues are steps of their own)."""
+    dtype = chain.leaves.out_dtype
+    return (dtype in FLOATS and _dense(chain.leaves, dtype)
+            and all(_dense(step, dtype) and step.epilogue is None and native_loop(step) for step in chain.steps))
+
+
+def prologue_chain(step) -> ChainStep | None:
+    """The ``protocol.EinsumStep`` ``step``, which has a prologue (and, as the compiler writes
+    them, no epilogue), as the chain that computes the same per joined row: its prologue's
+    steps, then itself, reading its present operands as the leaves; None unless
+    ``native_chain`` accepts that chain."""
+    if step.epilogue is not None:
+        return None
+    computed = {p.position: k for k, p in enumerate(step.prologue)}
+    leaf = {m: i for i, m in enumerate(step.present)}
+
+    def origin(m: int) -> int:
+        return leaf[m] if m in leaf else -1 - computed[m]
+
+    steps = [replace(p, sources=tuple(map(origin, p.sources))) for p in step.prologue]
+    steps.append(replace(step, prologue=(), position=0, sources=tuple(map(origin, range(len(step.inputs))))))
+    inputs, names, dtypes = (tuple(getattr(step, f)[m] for m in step.present) for f in ("inputs", "names", "dtypes"))
+    chain = ChainStep(EinsumStep(inputs, step.output, step.sizes, step.tiles, dtypes, step.out_dtype, names),
+                      tuple(steps))
+    return chain if native_chain(chain) else None
 
 
 @dataclass(frozen=True)

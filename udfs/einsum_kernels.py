@@ -166,6 +166,7 @@ def _with_prologue(meta: TileStep, tiles: list, stacked: bool, count: int) -> li
 
 
 @implements("contract")
+@implements("loop")
 @implements("einsum")
 def einsum_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_einsum_<n>``: one output tile per joined row. When all tiles of an operand (and
@@ -189,6 +190,7 @@ def einsum_rows(meta_col, out_keys_col, *operand_cols):
     return _finish(meta, out_keys, buf, offsets, shapes, operand_cols[own:])
 
 
+@implements("loop_chain")
 @implements("chain")
 def chain_rows(meta_col, out_keys_col, *operand_cols):
     """``tra_chain_<n>``: per joined row, the chain's steps one after another; only the last

@@ -218,12 +218,18 @@ SIGNATURES: dict[str, Signature] = {
     "einsum": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # an einsum that is a plain BLAS product of two tiles (``contract.gemm_form``): native where it can be
     "contract": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # an einsum over dense float tiles that a native loop (or BLAS) kernel computes, epilogue
+    # included (``contract.native_loop``): native where it can be, else ``einsum``'s UDF
+    "loop": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     # one output tile per group, from its joined rows (fused join + aggregate); then k epilogue operands
     "einsum_agg": Signature(lambda n, k: (META, KEYS, _rows(n), *_pairs(k)), numbered=True),
     # one output tile per group, the aggregate of its rows' partial results; then k epilogue operands
     "reduce": Signature(lambda n, k: (META, KEYS, f"{TILE}[]", *_pairs(k))),
     "attention": Signature(lambda n, k: (META, KEYS, _rows(n)), numbered=True),
     "chain": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    # a chain whose steps native loop (or BLAS) kernels compute (``contract.native_chain``): native
+    # where it can be, else ``chain``'s UDF
+    "loop_chain": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
     "place": Signature(lambda n, k: (META, KEYS, f"STRUCT(origin {KEYS}, shape {KEYS}, part INTEGER, tile {TILE})[]")),
     "fill": Signature(lambda n, k: (META, KEYS)),
     # grouped aggregates (Spark): a group's rows come in batches
@@ -314,6 +320,11 @@ def tile_reduction(agg: str, dtype: str) -> Kernel | None:
 REDUCTIONS = tuple(Kernel(f"reduce_{agg}_{dtype}") for agg, dtype in TILE_REDUCTIONS)
 CONTRACTIONS = tuple(Kernel(f"contract_agg_{dtype}") for dtype in FLOATS)
 CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contraction aggregates fuse
+
+
+#: kind -> the kinds DuckDB's dialect may write instead for the steps native loop kernels
+#: compute (a step with a prologue as a chain; an engine registers them with the kind)
+NATIVE_FORMS = {"einsum": ("loop", "loop_chain"), "chain": ("loop_chain",)}
 
 
 def fused_contraction(dtype: str) -> Kernel | None:

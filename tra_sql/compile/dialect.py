@@ -9,8 +9,8 @@ from sqlglot import exp
 
 from tra_sql.compile import passes
 from tra_sql.compile.blocks import call, grouped, kernels_called
-from tra_sql.udfs.contract import gemm_form
-from tra_sql.udfs.protocol import CONTRACT, Kernel, fused_contraction, tile_reduction
+from tra_sql.udfs.contract import gemm_form, native_chain, native_loop, prologue_chain
+from tra_sql.udfs.protocol import CONTRACT, NATIVE_FORMS, Kernel, fused_contraction, tile_reduction
 
 
 def _fusible(node: exp.Expression, kind: str) -> bool:
@@ -69,12 +69,24 @@ class Dialect:
         return fused
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
-        """The engine's form of a kernel call (``blocks.call``): ``tra_reduce(meta, keys,
+        """The engine's form of a kernel call (``blocks.call``): ``tra_einsum_<n>`` of a step
+        ``contract.native_loop`` accepts becomes ``tra_loop_<n>``, and ``tra_chain_<n>`` of a
+        chain ``contract.native_chain`` accepts ``tra_loop_chain_<n>`` (as does a step with a
+        prologue, as the chain ``contract.prologue_chain`` of it), unless ``passes.fusions``
+        switched ``loops`` off (native on DuckDB: the loop kernel or BLAS product and the
+        epilogue without Arrow; DuckDB binds one function per name, so the native kernels get
+        their steps by name); ``tra_reduce(meta, keys,
         ARRAY_AGG(tile))`` without epilogue, over dense tiles, becomes the aggregate
         ``tra_reduce_<agg>_<dtype>(meta, keys, tile)`` (``protocol.TILE_REDUCTIONS``; native
         on DuckDB: one tile of state per group, no list)."""
         kernel, step = node.meta["kernel"], node.meta["step"]
         args = node.expressions
+        if "loops" in passes.enabled and kernel.kind == "einsum" and step.prologue \
+                and (chain := prologue_chain(step)) is not None:
+            return call(Kernel("loop_chain", kernel.arity), chain, [a.copy() for a in args[1:]])
+        if "loops" in passes.enabled and (kernel.kind == "einsum" and native_loop(step)
+                                          or kernel.kind == "chain" and native_chain(step)):
+            return call(Kernel(NATIVE_FORMS[kernel.kind][0], kernel.arity), step, [a.copy() for a in args[1:]])
         if kernel.kind != "reduce" or kernel.epilogue or step.epilogue is not None or len(args) != 3 \
                 or not isinstance(args[2], exp.ArrayAgg) or step.out_layout != "dense":
             return node

@@ -7,7 +7,8 @@ of the program as written, and returns the steps with some replaced by ``Fused``
 ``program.PASSES`` runs them in that fixed order. The two ways of a split aggregation,
 ``partials`` and ``agg_inputs``, are choices of the einsum lowering (``partials_first``);
 ``contractions`` is DuckDB's dialect writing a split sum of BLAS products as the fused
-contraction aggregate (``dialect.Dialect.fuse``).
+contraction aggregate (``dialect.Dialect.fuse``), ``loops`` its writing a per-row step over dense
+float tiles as the native loop kernel ``tra_loop_<n>`` (``dialect.Dialect.call``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from tra_sql.graph import Node
 
 #: The fusions ``Program.compile`` may make: ``attention``, ``prologue``, ``epilogue``, ``chain``;
 #: the two ways of a split aggregation, ``partials`` and ``agg_inputs`` (see ``partials_first``);
-#: and the fused contraction aggregate of DuckDB's dialect, ``contractions``.
-FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs", "contractions"})
+#: and DuckDB's dialect's fused contraction aggregate, ``contractions``, and native loops, ``loops``.
+FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs", "contractions", "loops"})
 enabled = FUSIONS
 
 
@@ -33,7 +34,8 @@ def fusions(off=()):
     element-wise step as a step of its own. Off ``partials``, a split aggregation always
     aggregates its input tiles (but for CSR results); off ``agg_inputs``, it always aggregates
     the partial results; not both. Off ``contractions``, DuckDB's dialect leaves split sums of
-    BLAS products as the lowering chose them."""
+    BLAS products as the lowering chose them; off ``loops``, per-row steps ``tra_einsum_<n>``
+    (the Arrow UDF on either kernel path)."""
     global enabled
     off = frozenset(off)
     if off - FUSIONS or {"partials", "agg_inputs"} <= off:

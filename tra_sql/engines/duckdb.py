@@ -103,10 +103,13 @@ class DuckDBEngine(Engine):
     def ensure_kernels(self, kernels) -> None:
         """``Engine.ensure_kernels``, with the fused contraction aggregates (and the product
         their Arrow macros call) for a program whose split sums of BLAS products the dialect
-        may fuse (``FUSED_FROM``)."""
+        may fuse (``FUSED_FROM``), and ``tra_loop_<n>`` and ``tra_loop_chain_<n>`` with
+        ``tra_einsum_<n>``, ``tra_loop_chain_<n>`` with ``tra_chain_<n>`` (``protocol.NATIVE_FORMS``:
+        the dialect writes the steps native loops compute so, ``Dialect.call``)."""
         kernels = set(kernels)
         if kernels & FUSED_FROM:
             kernels |= {*protocol.CONTRACTIONS, protocol.CONTRACT}
+        kernels |= {protocol.Kernel(kind, k.arity) for k in kernels for kind in protocol.NATIVE_FORMS.get(k.kind, ())}
         super().ensure_kernels(kernels)
 
     def register_kernels(self, kernels: list) -> None:

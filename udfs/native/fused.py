@@ -7,11 +7,11 @@ combine adds states element-wise, finalize writes each tile once.
 
 DuckDB's C API gives aggregates no bind callback, so one function per dtype serves every
 step: its update reads the step text of its first argument and asks the binding for that
-step's plan (``contract.plan``, the scalar product's) through a callback (``LOOKUP``: text
+step's plan (``operands.plan``, the scalar product's) through a callback (``LOOKUP``: text
 address and length to the address of a ``found`` record), once per chunk and whenever the text
 changes; the binding builds each plan once and keeps it. A text that is not a native BLAS
 product's step, or one of another dtype, is an error, and every tile is checked against the
-plan before it is read (``contract.operands``), so a call written by hand with any arguments
+plan before it is read (``operands.operands``), so a call written by hand with any arguments
 fails cleanly."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 from numba import cfunc, types
 
 from tra_sql.udfs.cores import lock, unlock
-from tra_sql.udfs.native import contract
 from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.contract import HEADER, gemm, operands, set_error
+from tra_sql.udfs.native.contract import gemm
 from tra_sql.udfs.native.memory import ERROR_PREFIX, address, blob, call2, i64, u8, u64, valid
+from tra_sql.udfs.native.operands import HEADER, gemm_sizes, operands, plan, plan_length, set_error
 from tra_sql.udfs.protocol import EinsumStep
 
 LOOKUP = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
@@ -44,7 +44,7 @@ def found(text: str) -> tuple[np.ndarray, ...]:
     then the step's plan (the arrays after it: what the plan points to); or a word 1, the
     length of an error message, then the message and a NUL."""
     try:
-        product, names = contract.plan(EinsumStep.decode(text))
+        product, names = plan(EinsumStep.decode(text), product=True)
     except Exception as err:  # not a native product's step: the update reports it
         message = f"{ERROR_PREFIX}{type(err).__name__}: the step of a fused contraction: {err}".encode()
         record = np.zeros(16 + len(message) + 1, dtype=np.uint8)
@@ -64,8 +64,8 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
     pointers = u64(states, rows)
     text_at, text_length = np.uint64(0), np.int64(-1)
     plan_at = np.uint64(0)
-    extents_a, extents_b = np.empty(0, np.int64), np.empty(0, np.int64)
-    sizes_a, sizes_b = np.empty(3, np.int64), np.empty(3, np.int64)
+    tiles, extents, seen = np.empty(2, np.uint64), np.empty(0, np.int64), np.empty(0, np.int64)
+    sizes = np.empty(4, np.int64)
     for row in range(rows):
         if not valid(validity, row):
             corrupt(info, np.frombuffer(b"the step of a fused contraction is NULL", np.uint8))
@@ -86,15 +86,14 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
                 corrupt(info, np.frombuffer(b"the step of a fused contraction has another dtype than the function",
                                             np.uint8))
                 return
-            extents_a, extents_b = np.empty(head[2], np.int64), np.empty(head[3], np.int64)
+            extents, seen = np.empty(max(head[13], 1), np.int64), np.empty(2 * head[14], np.int64)
             text_at, text_length = at, length
-        head = i64(plan_at, HEADER)
-        plan = i64(plan_at, HEADER + 3 * (head[2] + head[3]))
-        a, b = operands(info, True, plan, chunk, row, extents_a, extents_b, sizes_a, sizes_b)
-        if a == 0:
+        steps_plan = i64(plan_at, plan_length(i64(plan_at, HEADER)))
+        if not operands(info, True, steps_plan, chunk, row, tiles, extents, seen):
             return
-        batch, m, k, n = sizes_a[0], sizes_a[1], sizes_a[2], sizes_b[1]
-        nbytes = batch * m * n * plan[1]
+        gemm_sizes(steps_plan, extents, sizes)
+        batch, m, k, n = sizes[0], sizes[1], sizes[2], sizes[3]
+        nbytes = batch * m * n * steps_plan[1]
         state = u64(pointers[row], 2)
         beta = 1.0
         if state[0] == 0:
@@ -105,7 +104,7 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             corrupt(info, np.frombuffer(b"the products of one output tile differ in size", np.uint8))
             return
         if nbytes:
-            lock(np.uint64(plan[14]))  # BLAS uses every core: one product at a time
-            gemm(plan, a, b, state[0], batch, m, n, k, beta)
-            unlock(np.uint64(plan[14]))
+            lock(np.uint64(steps_plan[5]))  # BLAS uses every core: one product at a time
+            gemm(steps_plan, steps_plan[6:9], tiles[0], tiles[1], state[0], batch, m, n, k, beta)
+            unlock(np.uint64(steps_plan[5]))
 

@@ -24,7 +24,7 @@ from tra_sql.errors import SpecError
 from tra_sql.udfs.native import blas, capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
-from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, EinsumStep, Kernel
+from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -39,16 +39,38 @@ class Native:
     plan: Callable[[str], tuple[np.ndarray, ...]]
 
 
-def _contract():
-    from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
+def _row(kind: str) -> Native:
+    """The per-row kernel (``contract.KERNEL``), specialised by its step's plan (``operands.plan``)."""
+    def callback() -> int:
+        from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
 
-    return contract
+        return contract.KERNEL.address
+
+    def plan(text: str) -> tuple[np.ndarray, ...]:
+        from tra_sql.udfs.native import operands
+
+        return operands.plan(EinsumStep.decode(text), product=kind == "contract")
+    return Native(callback, plan)
 
 
-#: kind -> its native implementation
-NATIVE: dict[str, Native] = {
-    "contract": Native(lambda: _contract().KERNEL.address, lambda text: _contract().plan(EinsumStep.decode(text))),
-}
+def _chain() -> Native:
+    """The chain kernel (``chain.KERNEL``), specialised by its chain's plan (``chain.plan``)."""
+    def callback() -> int:
+        from tra_sql.udfs.native import chain
+
+        return chain.KERNEL.address
+
+    def plan(text: str) -> tuple[np.ndarray, ...]:
+        from tra_sql.udfs.native import chain
+
+        return chain.plan(ChainStep.decode(text))
+    return Native(callback, plan)
+
+
+#: kind -> its native implementation: the BLAS product (``contract.gemm_form``), the steps
+#: ``contract.native_loop`` accepts and the chains ``contract.native_chain`` accepts
+#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``)
+NATIVE: dict[str, Native] = {"contract": _row("contract"), "loop": _row("loop"), "loop_chain": _chain()}
 
 
 def requested() -> bool:

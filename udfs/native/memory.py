@@ -29,6 +29,18 @@ def call2(typingctx, function, first, second):
     return types.uint64(types.uint64, types.uint64, types.uint64), codegen
 
 
+@intrinsic
+def call3(typingctx, function, first, second, third):
+    """``function(first, second, third)``: a C function at address ``function`` taking three
+    ``uint64``s and returning nothing (a ``cfunc`` compiled while the process runs)."""
+    def codegen(context, builder, signature, args):
+        word = ir.IntType(64)
+        pointer = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [word] * 3).as_pointer())
+        builder.call(pointer, list(args[1:]))
+        return context.get_dummy_value()
+    return types.void(types.uint64, types.uint64, types.uint64, types.uint64), codegen
+
+
 def _pointer_to(item: types.Type):
     @intrinsic
     def pointer(typingctx, at):

@@ -1,0 +1,278 @@
+"""The plan of a native per-row step and the checks of its operand tiles.
+
+``plan`` turns a step (``protocol.EinsumStep``: a BLAS product ``contract.gemm_form`` reads as
+stored, or a loop ``contract.native_loop`` accepts; with its epilogue's operands after its own)
+into the int64 array a call's bind data points to (``Plan``'s layout). ``operands`` checks
+every operand tile of a joined row against it before anything reads them: keys inside the
+tensor's grid, not NULL, exactly as long as its extents (ragged at the boundary) and dtype
+need, every index of one extent in every tile that has it. A bad tile is reported through
+DuckDB's error call as a ``CorruptTileError`` naming the tensor and the tile."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+from numba import njit
+
+from tra_sql.udfs import cores
+from tra_sql.udfs.contract import gemm_form, native_loop
+from tra_sql.udfs.expr import join_code
+from tra_sql.udfs.native import loops
+from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.memory import CORRUPT, blob, i64, put_int, put_text, u8, u64, valid
+from tra_sql.udfs.protocol import EinsumStep
+
+# header: dtype code (0 float32, 1 float64), itemsize, operands (the step's, then its
+# epilogue's others), the step's own operands, the address of the text (operand names, then
+# the dtype's name), the kernels' mutex (``cores``), trans_a, trans_b, swap (a BLAS product),
+# the step's loop body and the epilogue's (``loops``; 0: the BLAS product, no epilogue), the
+# output's rank, the epilogue's operands, dimensions, indices, (offset, length) of the dtype's
+# name; then per operand (rank, its first dimension, offset and length of its name); per
+# output dimension the dimension its extent is read from; per epilogue operand the operand
+# it is (-1: the step's result); per dimension (size, tile, index, BLAS group)
+HEADER = 17
+OPERAND = 4
+DIM = 4
+MESSAGE = 512
+
+
+def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(the plan, the text it points to) of a step ``gemm_form`` or (unless ``product``: the
+    BLAS product's kernels, ``tra_contract_2`` and the fused aggregate) ``native_loop`` accepts."""
+    if product and gemm_form(step) is None:
+        raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
+    form = gemm_form(replace(step, epilogue=None))
+    if form is None and not native_loop(step):
+        raise ValueError(f"{step.inputs}->{step.output} is not a native product or loop")
+    after = step.epilogue
+    index = indices(step.inputs, step.output)
+    subs, names = list(step.inputs), list(step.names)
+    dims = dimensions(step, index, form.groups if form else None)
+    slots = []
+    if after is not None:  # the epilogue's indices are the step's output's
+        ours = {c: step.output[after.output.index(c)] for c in after.output}
+        for j, sub in enumerate(after.inputs):
+            slots.append(-1 if j == after.position else len(subs))
+            if j != after.position:
+                subs.append(sub)
+                names.append(after.names[j])
+                dims += [(after.sizes[c], after.tiles[c], index[ours[c]], 0) for c in sub]
+    blas = (form.trans_a, form.trans_b, form.swap) if form else (0, 0, 0)
+    body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
+    epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype) if after else 0
+    return tables(step.out_dtype, subs, names, dims, sources(step.inputs, step.output), slots, blas, body, epilogue,
+                  len(step.inputs), len(index))
+
+
+def code(step: EinsumStep) -> str:
+    """The Numba expression of ``step``'s join (the product without one)."""
+    return join_code(step.join, len(step.inputs)) if step.join else " * ".join(f"x{m}" for m in range(len(step.inputs)))
+
+
+def indices(inputs, output: str) -> dict[str, int]:
+    """A number per index, in order of first appearance."""
+    return {c: i for i, c in enumerate(dict.fromkeys("".join(inputs) + output))}
+
+
+def dimensions(step: EinsumStep, index: dict[str, int], groups=None) -> list[tuple[int, ...]]:
+    """(size, tile, index, BLAS group) of every dimension of ``step``'s operands."""
+    return [(step.sizes[c], step.tiles[c], index[c], groups[m][d] if groups else 0)
+            for m, sub in enumerate(step.inputs) for d, c in enumerate(sub)]
+
+
+def sources(inputs, output: str) -> list[int]:
+    """Per output index, the position (operand after operand) of its first dimension."""
+    flat: dict[str, int] = {}
+    at = 0
+    for sub in inputs:
+        for d, c in enumerate(sub):
+            flat.setdefault(c, at + d)
+        at += len(sub)
+    return [flat[c] for c in output]
+
+
+def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue: int, own: int,
+           count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The plan (see the layout above) and its text."""
+    words = [name.encode() for name in names] + [dtype.encode()]
+    text = np.frombuffer(b"".join(words) + b"\x00", dtype=np.uint8).copy()
+    starts = np.cumsum([0] + [len(w) for w in words])
+    firsts = np.cumsum([0] + [len(sub) for sub in subs])
+    header = [0 if dtype == "float32" else 1, np.dtype(dtype).itemsize, len(subs), own, text.ctypes.data,
+              cores.MUTEX, *blas, body, epilogue, len(out), len(slots), len(dims), count, int(starts[-2]),
+              len(words[-1])]
+    for m, sub in enumerate(subs):
+        header += [len(sub), int(firsts[m]), int(starts[m]), len(words[m])]
+    return np.array(header + list(out) + list(slots) + [v for dim in dims for v in dim], dtype=np.int64), text
+
+
+@njit(cache=True)
+def plan_length(head) -> int:
+    """The words of a plan whose header is ``head``."""
+    return HEADER + OPERAND * head[2] + head[11] + head[12] + DIM * head[13]
+
+
+@njit(cache=True)
+def dims_at(plan) -> int:
+    return HEADER + OPERAND * plan[2] + plan[11] + plan[12]
+
+
+@njit(cache=True)
+def _put_ints(out, at, values, rank):
+    """``values[:rank]`` written at ``at`` as ``a, b, c``; the position after them."""
+    for d in range(rank):
+        if d:
+            at = put_text(out, at, np.frombuffer(b", ", np.uint8))
+        at = put_int(out, at, values[d])
+    return at
+
+
+@njit(cache=True)
+def set_error(info, aggregate, message) -> None:
+    """Set the error of a scalar function's call or (``aggregate``) an aggregate's."""
+    if aggregate:
+        C.duckdb_aggregate_function_set_error(info, message.ctypes.data)
+    else:
+        C.duckdb_scalar_function_set_error(info, message.ctypes.data)
+
+
+@njit(cache=True)
+def _name(plan, text, m):
+    at = plan[HEADER + OPERAND * m + 2]
+    return text[at: at + plan[HEADER + OPERAND * m + 3]]
+
+
+@njit(cache=True)
+def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents, other):
+    """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
+    ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
+    tensor's grid (2), NULL keys (3), or an extent of an index it shares with operand
+    ``other``'s tile other than that tile's (4)."""
+    text = u8(plan[4], plan[15] + plan[16] + 1)
+    out = np.zeros(MESSAGE, np.uint8)
+    at = put_text(out, 0, CORRUPT)
+    if what == 3:
+        at = put_text(out, at, np.frombuffer(b"a tile of tensor '", np.uint8))
+    else:
+        at = put_text(out, at, np.frombuffer(b"tile (", np.uint8))
+        at = _put_ints(out, at, keys, rank)
+        at = put_text(out, at, np.frombuffer(b") of tensor '", np.uint8))
+    at = put_text(out, at, _name(plan, text, which))
+    if what == 0:
+        at = put_text(out, at, np.frombuffer(b"' is NULL", np.uint8))
+    elif what == 2:
+        at = put_text(out, at, np.frombuffer(b"' is outside the tensor's tile grid", np.uint8))
+    elif what == 3:
+        at = put_text(out, at, np.frombuffer(b"' has NULL keys", np.uint8))
+    elif what == 4:
+        at = put_text(out, at, np.frombuffer(b"' differs in a shared index's extent from the tile of '", np.uint8))
+        at = put_text(out, at, _name(plan, text, other))
+        at = put_text(out, at, np.frombuffer(b"' joined with it", np.uint8))
+    else:
+        at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
+        at = put_int(out, at, held)
+        at = put_text(out, at, np.frombuffer(b" bytes; its shape (", np.uint8))
+        at = _put_ints(out, at, extents, rank)
+        at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
+        at = put_text(out, at, text[plan[15]: plan[15] + plan[16]])
+        at = put_text(out, at, np.frombuffer(b" need ", np.uint8))
+        at = put_int(out, at, need)
+    out[at] = 0
+    set_error(info, aggregate, out)
+
+
+@njit(cache=True)
+def _keys(chunk, m, row):
+    """Operand ``m``'s keys at ``row`` (a list vector's entry) and whether it is valid."""
+    keys_vec = C.duckdb_data_chunk_get_vector(chunk, 2 + 2 * m)
+    ok = valid(C.duckdb_vector_get_validity(keys_vec), row)
+    entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)  # (offset, length)
+    child = C.duckdb_list_vector_get_child(keys_vec)
+    if not ok:
+        return i64(C.duckdb_vector_get_data(child), 0), False
+    keys = i64(C.duckdb_vector_get_data(child), entry[0] + entry[1])[entry[0]: entry[0] + entry[1]]
+    for d in range(entry[1]):
+        if not valid(C.duckdb_vector_get_validity(child), entry[0] + d):
+            return keys, False
+    return keys, True
+
+
+@njit(cache=True)
+def _operand(info, aggregate, plan, m, chunk, row, extents) -> np.uint64:
+    """The address of operand ``m``'s tile at ``row`` after checking it (its extents into
+    ``extents`` from its first dimension on), or 0 with the error set."""
+    rank, first = plan[HEADER + OPERAND * m], plan[HEADER + OPERAND * m + 1]
+    dims = dims_at(plan) + DIM * first
+    keys, ok = _keys(chunk, m, row)
+    if not ok:
+        _report(info, aggregate, plan, m, keys, 0, 3, 0, 0, keys, 0)
+        return np.uint64(0)
+    inside = len(keys) == rank
+    for d in range(rank if inside else 0):
+        size, tile = plan[dims + DIM * d], plan[dims + DIM * d + 1]
+        start = keys[d] * tile
+        inside = inside and 0 <= keys[d] and start < size
+        extents[first + d] = min(tile, size - start)
+    if not inside:
+        _report(info, aggregate, plan, m, keys, min(rank, len(keys)), 2, 0, 0, keys, 0)
+        return np.uint64(0)
+    need = plan[1]
+    for d in range(rank):
+        need *= extents[first + d]
+    tiles_vec = C.duckdb_data_chunk_get_vector(chunk, 3 + 2 * m)
+    if not valid(C.duckdb_vector_get_validity(tiles_vec), row):
+        _report(info, aggregate, plan, m, keys, rank, 0, 0, need, extents[first:], 0)
+        return np.uint64(0)
+    at, held = blob(C.duckdb_vector_get_data(tiles_vec), row)
+    if held != need:
+        _report(info, aggregate, plan, m, keys, rank, 1, held, need, extents[first:], 0)
+        return np.uint64(0)
+    return at
+
+
+@njit(cache=True)
+def operands(info, aggregate, plan, chunk, row, tiles, extents, seen) -> bool:
+    """Every operand's tile at ``row`` checked (see ``_operand``; ``seen``: scratch, an extent
+    and an operand per index), its address into ``tiles`` and its extents into ``extents``;
+    False with the error set if one is bad."""
+    dims = dims_at(plan)
+    seen[:] = -1
+    for m in range(plan[2]):
+        tiles[m] = _operand(info, aggregate, plan, m, chunk, row, extents)
+        if tiles[m] == 0:
+            return False
+        first = plan[HEADER + OPERAND * m + 1]
+        for d in range(plan[HEADER + OPERAND * m]):
+            index = plan[dims + DIM * (first + d) + 2]
+            if seen[2 * index] < 0:
+                seen[2 * index], seen[2 * index + 1] = extents[first + d], m
+            elif seen[2 * index] != extents[first + d]:
+                keys, _ = _keys(chunk, m, row)
+                _report(info, aggregate, plan, m, keys, len(keys), 4, 0, 0, keys, seen[2 * index + 1])
+                return False
+    return True
+
+
+@njit(cache=True)
+def gemm_sizes(plan, extents, sizes) -> None:
+    """``sizes`` = (batch, m, k, n) of a BLAS product's checked tiles: per operand, the product
+    of its dimensions' extents per BLAS group (batch, free, contracted)."""
+    dims = dims_at(plan)
+    sizes[:] = 1
+    for m in range(2):
+        first = plan[HEADER + OPERAND * m + 1]
+        for d in range(plan[HEADER + OPERAND * m]):
+            group = plan[dims + DIM * (first + d) + 3]
+            if m == 0 or group == 1:
+                sizes[group if m == 0 else 3] *= extents[first + d]
+
+
+@njit(cache=True)
+def out_bytes(plan, extents) -> int:
+    """The bytes of the step's result tile (its extents read from its operands')."""
+    at = HEADER + OPERAND * plan[2]
+    nbytes = plan[1]
+    for d in range(plan[11]):
+        nbytes *= extents[plan[at + d]]
+    return nbytes
