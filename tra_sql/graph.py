@@ -18,6 +18,7 @@ import opt_einsum
 from tra_sql.aggregates import AGGREGATES
 from tra_sql.einsum import EinsumSpec, broadcast, parse_spec
 from tra_sql.errors import DTypeError, ShapeError, SpecError
+from tra_sql.udfs.protocol import EinsumStep
 
 
 @dataclass(eq=False)
@@ -150,6 +151,16 @@ class Einsum(Node):
     @property
     def tiles(self) -> dict[str, int]:
         return {c: t for sub, op in zip(self.spec.inputs, self.operands) for c, t in zip(sub, op.tile)}
+
+    def step(self, names=(), **more) -> EinsumStep:
+        """The kernel's description of this einsum: subscripts, sizes and tiles, dtypes, the
+        operands' ``names`` (for error messages), join, aggregation, layouts (when any is not
+        dense); ``more``: epilogue or prologue fields."""
+        layouts = tuple(op.layout for op in self.operands)
+        dense = all(layout == "dense" for layout in layouts)
+        return EinsumStep(self.spec.inputs, self.spec.output, self.sizes, self.tiles,
+                          tuple(op.dtype.name for op in self.operands), self.dtype.name, tuple(names), self.join,
+                          self.agg, () if dense else layouts, "dense" if dense else self.layout, **more)
 
 
 DEFAULT_TILE_ELEMENTS = 1 << 20

@@ -13,7 +13,6 @@ from sqlglot import exp
 
 from tra_sql.compile import blocks
 from tra_sql.compile.blocks import array, call, select_keys
-from tra_sql.compile.einsum import einsum_step
 from tra_sql.compile.epilogue import Epilogue
 from tra_sql.compile.lowering import LOWERING, Relations
 from tra_sql.compile.passes import Fused, replaced, result
@@ -146,8 +145,8 @@ def lower_chain(chain: Chain, relations: Relations) -> exp.Select:
     out_keys = [first[c] for c in chain.output]
     sizes, tiles = blocks.extents(chain.subscripts, chain.leaves)
     labels = [*names, *(step.label for step in chain.steps)]
-    steps = tuple(einsum_step(step, [labels[s if s >= 0 else len(names) - 1 - s] for s in origin], sources=origin)
-                  for step, origin in zip(chain.steps, chain.sources))
+    steps = tuple(node.step([labels[s if s >= 0 else len(names) - 1 - s] for s in origin], sources=origin)
+                  for node, origin in zip(chain.steps, chain.sources))
     leaves = EinsumStep(chain.subscripts, chain.output, sizes, tiles, tuple(op.dtype.name for op in chain.leaves),
                         chain.steps[-1].dtype.name, tuple(names))
     per_row = [array([k.copy() for k in out_keys])] + [f.expression for f in blocks.operand_fields(chain.subscripts)]

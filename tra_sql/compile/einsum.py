@@ -21,16 +21,6 @@ from tra_sql.udfs.contract import gemm_form
 from tra_sql.udfs.protocol import EinsumStep, Kernel
 
 
-def einsum_step(node: Einsum, names: list[str], **more) -> EinsumStep:
-    """The kernel's description of ``node``: subscripts, sizes and tiles, dtypes, names, join,
-    aggregation, layouts (when any is not dense); ``more``: epilogue or prologue fields."""
-    layouts = tuple(op.layout for op in node.operands)
-    dense = all(layout == "dense" for layout in layouts)
-    return EinsumStep(node.spec.inputs, node.spec.output, node.sizes, node.tiles,
-                      tuple(op.dtype.name for op in node.operands), node.dtype.name, tuple(names), node.join,
-                      node.agg, () if dense else layouts, "dense" if dense else node.layout, **more)
-
-
 def per_row(step: EinsumStep, arity: int) -> Kernel:
     """The kernel computing ``step`` once per joined row: ``tra_contract_2`` for a plain BLAS
     product (which engines may run natively), else ``tra_einsum_<arity>``."""
@@ -67,14 +57,14 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str], epilogue=None
     refs = [refs[m] for m in present]
     out_keys = [first[c] for c in spec.output]
     split = [first[c] for c in spec.aggregated if node.tiles[c] < node.sizes[c]]
-    steps = tuple(einsum_step(node.operands[p], [names[node.operands.index(src)] for src in node.operands[p].operands],
+    steps = tuple(node.operands[p].step([names[node.operands.index(src)] for src in node.operands[p].operands],
                               position=p, sources=tuple(node.operands.index(src) for src in node.operands[p].operands))
                   for p in prologue)
     extras: list[exp.Expression] = []  # (keys, tile) of each epilogue operand, joined on the output keys
     after = None
     if epilogue:
         outer, position, outer_refs, outer_names = epilogue
-        after = einsum_step(outer, outer_names, position=position)
+        after = outer.step(outer_names, position=position)
         position_of = {c: i for i, c in enumerate(outer.spec.output)}
         for j, (sub, ref) in enumerate(zip(outer.spec.inputs, outer_refs)):
             if j == position:
@@ -85,7 +75,7 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str], epilogue=None
                                                      for col, c in zip(cols, sub)]))
             extras += [array([c.copy() for c in cols]), exp.column("tile", alias)]
     k = len(extras) // 2
-    step = einsum_step(node, names, epilogue=after, prologue=steps)
+    step = node.step(names, epilogue=after, prologue=steps)
     fields = blocks.operand_fields(inputs)
     select = blocks.joined(refs[0], joins, where)
     row_args = [array([key.copy() for key in out_keys])] + [f.expression for f in fields]
@@ -93,7 +83,7 @@ def einsum_select(node: Einsum, refs: list[str], names: list[str], epilogue=None
         return select.select(*select_keys(out_keys, call(per_row(step, len(refs) + k), step, row_args + extras)))
     if partials_first(node):
         # each joined row's partial result first, then only those go through list() (smaller than the inputs)
-        partial_step = einsum_step(node, names)
+        partial_step = node.step(names)
         partial = call(per_row(partial_step, len(refs)), partial_step, row_args)
         extra_cols = [exp.alias_(e, f"e{i}") for i, e in enumerate(extras)]
         inner = select.select(*select_keys(out_keys, partial), *extra_cols)

@@ -16,7 +16,6 @@ import numpy as np
 from tra_sql.decompose.problem import Op
 from tra_sql.errors import SpecError
 from tra_sql.udfs.contract import gemm_form
-from tra_sql.udfs.protocol import EinsumStep
 
 
 @dataclass(frozen=True)
@@ -129,12 +128,7 @@ def fusible(op: Op) -> bool:
     has it (``Constants.fused``): a plain BLAS product of dense tiles (``contract.gemm_form``
     of the step the compiler writes), each joined row's product added into its group's state,
     no partial product written and nothing in a list()."""
-    node = op.node
-    layouts = tuple(x.layout for x in node.operands)
-    step = EinsumStep(node.spec.inputs, node.spec.output, node.sizes, node.tiles,
-                      tuple(x.dtype.name for x in node.operands), node.dtype.name, (), node.join, node.agg,
-                      () if set(layouts) == {"dense"} else layouts)
-    return node.layout == "dense" and gemm_form(step) is not None
+    return op.node.layout == "dense" and gemm_form(op.node.step()) is not None
 
 
 def features(op: Op, Q: np.ndarray, fused: bool = False) -> dict[str, np.ndarray]:
