@@ -20,6 +20,7 @@ import numpy as np
 from tra_sql.aggregates import AGGREGATES
 from tra_sql.graph import Einsum, Fill, Node, Place, topological
 from tra_sql.kinds import Rules
+from tra_sql.udfs.contract import blas_groups
 
 #: Parts tried per index (normalized per size, see ``normalize``), besides those the presets
 #: and the as-written tiling need. Not only powers of two.
@@ -109,13 +110,9 @@ class Op:
 
     @property
     def blas(self) -> bool:
-        """Whether the tile kernel is a BLAS contraction (see ``udfs.contract``)."""
-        if self.node.join is not None or not AGGREGATES[self.node.agg].contracts or len(self.inputs) != 2:
-            return False
-        a, b = self.node.spec.inputs
-        out = self.node.spec.output
-        return (len(set(a)) == len(a) and len(set(b)) == len(b)
-                and all(c in b or c in out for c in a) and all(c in a or c in out for c in b))
+        """Whether the tile kernel is a BLAS contraction (``udfs.contract.blas_groups``)."""
+        return (self.node.join is None and AGGREGATES[self.node.agg].contracts
+                and blas_groups(self.node.spec.inputs, self.node.spec.output) is not None)
 
 
 @dataclass
