@@ -27,7 +27,7 @@ from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
 from tra_sql.backends.spark_staged import SparkStages
-from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
+from tra_sql.backends.warehouse import ROW_GROUP_BYTES, Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants, parse_bytes
@@ -51,10 +51,17 @@ TILE_COPIES = 24
 #: a job too; without them the plan's stages run in the one job of its action, shared views
 #: computed once inside it. Without adaptive execution nothing coalesces small shuffles after
 #: the fact, so each program's shuffles get the partitions its data need
-#: (``SparkEngine.shuffle_partitions``).
+#: (``SparkEngine.shuffle_partitions``). A union of results that each have one partition (a
+#: training step's, its small relations coalesced: ``spark_sql``) keeps a task per result
+#: instead of becoming one task.
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
-           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
+           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false", "spark.sql.unionOutputPartitioning": "false"}
 PARTITIONS = "spark.sql.shuffle.partitions"
+#: The bytes of rows in one Arrow batch to or from a Python worker: a program's batches hold a
+#: task's tile budget (``SparkEngine.budget``; at least one row), since Spark holds a batch's
+#: rows several times over in the heap (the queue of rows awaiting their results, their
+#: projections, the rows made of the results).
+BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -87,7 +94,7 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
         "spark.pyspark.python": sys.executable, "spark.pyspark.driver.python": sys.executable,
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.log.level": "ERROR",
         "spark.sql.shuffle.partitions": "8", "spark.sql.execution.arrow.useLargeVarTypes": "true",
-        "spark.sql.execution.arrow.maxBytesPerBatch": str(256 << 20),  # per kernel call, as rows allow
+        "spark.hadoop.parquet.block.size": str(ROW_GROUP_BYTES),  # the row groups Spark writes
         # collect_list of tiles: sort-based aggregation holds one group at a time and spills;
         # the hash aggregate holds every group's list at once and runs out of heap on MB tiles
         "spark.sql.execution.useObjectHashAggregateExec": "false",
@@ -198,23 +205,35 @@ class SparkEngine(Engine):
     # -- programs and statements --------------------------------------------------------
     def sql_text(self, program: Program) -> str:
         """The Spark SQL this engine runs for ``program`` (see ``spark_sql``)."""
-        return SparkDialect(self.group_bytes).steps(program).text()
+        return self.sql_dialect().steps(program).text()
+
+    def sql_dialect(self) -> SparkDialect:
+        """The dialect programs are written in: groups over ``group_bytes`` as grouped
+        aggregates, relations that fit a task's tile budget (``budget``) not shuffled."""
+        return SparkDialect(self.group_bytes, self.budget()[1])
 
     @contextmanager
     def steps(self, steps: Steps, what: str):
         """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
-        when first read, and kept by the executors; a cached plan would instead carry its
+        when first read, and kept by the executors, on disk if it is ``big``: in their heaps a
+        checkpoint takes the memory the tasks need; a cached plan would instead carry its
         whole lineage into every plan that reads it). An action on it inside the block is
-        one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
-        views are dropped, the checkpoints' blocks freed and the settings put back."""
+        one Spark job (``program_settings``: the checkpoints are computed inside it), its Arrow
+        batches a task's tile budget (``BATCH_BYTES``). On exit the views are dropped, the
+        checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
-        values = dict(self.program_settings)
+        values = self.query_settings()
         adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
         if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
             values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
         with settings(self.spark, values), self._views(steps, what) as final:
             yield final
+
+    def query_settings(self) -> dict[str, str]:
+        """The SQL settings a program's or a relation's query runs under: ``program_settings``
+        over Arrow batches of a task's tile budget (``BATCH_BYTES``)."""
+        return {BATCH_BYTES: str(max(1, int(self.budget()[1]))), **self.program_settings}
 
     def shuffle_partitions(self, nbytes: int) -> int:
         """Partitions of every shuffle of a program whose largest relation holds ``nbytes``,
@@ -227,13 +246,16 @@ class SparkEngine(Engine):
 
     @contextmanager
     def _views(self, steps: Steps, what: str):
+        from pyspark import StorageLevel
+
         checkpoints = []
         try:
             try:
                 for name, sql, reads in steps.views:
                     frame = self.spark.sql(sql)
                     if reads > 1:
-                        frame = frame.localCheckpoint(eager=False)
+                        kept = StorageLevel.DISK_ONLY if name in steps.big else None
+                        frame = frame.localCheckpoint(eager=False, storageLevel=kept)
                         checkpoints.append(frame._jdf.queryExecution().logical().rdd())
                     frame.createOrReplaceTempView(name)
                 final = self.spark.sql(steps.final)
@@ -249,7 +271,7 @@ class SparkEngine(Engine):
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
         (INT) and ``tile``, valid inside the ``with`` block."""
-        return self.steps(SparkDialect(self.group_bytes).steps(program), program.root.label)
+        return self.steps(self.sql_dialect().steps(program), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
         with self.frame(program) as frame:
@@ -263,7 +285,7 @@ class SparkEngine(Engine):
             self._write(info, lambda: frame, replace)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:
-        with settings(self.spark, self.program_settings):
+        with settings(self.spark, self.query_settings()):
             self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
 
     def _write(self, info: TensorInfo, frame, replace: bool) -> None:
