@@ -40,11 +40,13 @@ THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
 #: A task holds each tile it works on up to this many times at once in its executor's heap (the
-#: Parquet reader's column batch, grown by doubling; the rows around each Python UDF and its
-#: result; several stages' tasks of the one job): an MLP step over 1 GiB of features in 512m
-#: executors (127 MiB per task) failed with 16 MiB feature tiles and completed with 4 MiB ones
-#: (still losing an executor now and then, which Spark's retries recovered: bench/RESULTS.md).
-TILE_COPIES = 24
+#: rows around each Python UDF and their Arrow batches, the rows made of the results, a Parquet
+#: row group and the batch decoded from it, sort and shuffle buffers). Measured on 512m
+#: executors (127 MiB per task) with Arrow batches of a task's budget, 8 MiB row groups and big
+#: checkpoints on disk, an MLP step over 256 MiB of features lost no executor with 8 MiB
+#: feature tiles (joined rows of 9.3 MiB: at most 13.7 copies) and lost four (retried) with
+#: 16 MiB ones (18.3 MiB: more than 7): bench/bench_spark_memory.py --metrics.
+TILE_COPIES = 16
 #: Settings under which a program runs as one Spark job (``SparkEngine.steps``; the default,
 #: ``spark_jobs.adaptive`` for Spark's own): adaptive execution runs every shuffle stage as a
 #: job of its own, and each broadcast join and each runtime Bloom filter (a scalar subquery) is

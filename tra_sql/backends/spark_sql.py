@@ -89,8 +89,9 @@ class Steps:
     final: str
     kernels: set[Kernel]
     nbytes: int = 0
-    #: views bigger than a task's tile budget (the dialect's ``replicate``): a checkpoint of
-    #: one is kept on the executors' disks, not in their heaps
+    #: views bigger than a task's tile budget (the dialect's ``replicate``), or of no known size
+    #: (a staged plan's band queries): a checkpoint of one is kept on the executors' disks, not
+    #: in their heaps
     big: frozenset[str] = frozenset()
 
     def text(self) -> str:
