@@ -5,6 +5,7 @@ hold them.
 
     python bench/bench_spark_memory.py                                   # 1 GiB of features, 512m executors
     python bench/bench_spark_memory.py --rows 4096 --features 32 --quick  # a smoke run
+    python bench/bench_spark_memory.py --rows 65536 --tile-rows 4096 --metrics  # 16 MiB tiles, measured
 
 The cluster: a master and two 1-core workers on 127.0.0.1 (``tra_sql.backends.standalone``),
 ``--executor-memory`` each. The features (``--rows`` × ``--features`` float64) are stored in
@@ -17,6 +18,11 @@ PyTorch: a subprocess imports torch, then caps its address space
 (``resource.setrlimit(RLIMIT_AS)``) at what it maps already plus the executor memory, and
 allocates the features as one tensor; a control run under a cap of twice the features must
 succeed (so the failure is the cap's, not the check's).
+
+``--metrics`` logs Spark's events and prints, from them, the executors lost (and why) and the
+peaks that the executors' metrics poller saw (every 100 ms) over the run: JVM heap, Spark's
+execution and storage memory within it, the direct buffer pool (Arrow batches to and from the
+Python workers) and the Python workers' resident memory.
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_spark_stages import events  # noqa: E402
 from common import machine  # noqa: E402
 
 import tra_sql  # noqa: E402
@@ -61,6 +70,31 @@ def torch_holds(rows: int, features: int, cap: int) -> str:
                          capture_output=True, text=True, timeout=600)
     said = run.stdout.strip() or run.stderr.strip()
     return said.splitlines()[-1] if said else f"exit status {run.returncode}"
+
+
+METRICS = ("JVMHeapMemory", "OnHeapExecutionMemory", "OnHeapStorageMemory", "DirectPoolMemory",
+           "ProcessTreePythonRSS")
+
+
+def metrics_config(directory: str) -> dict[str, str]:
+    """Spark settings that log the events ``memory_report`` reads to ``directory``."""
+    return {"spark.eventLog.enabled": "true", "spark.eventLog.dir": Path(directory).as_uri(),
+            "spark.eventLog.compress": "false", "spark.eventLog.rolling.enabled": "false",
+            "spark.eventLog.logStageExecutorMetrics": "true", "spark.executor.processTreeMetrics.enabled": "true",
+            "spark.executor.metrics.pollingInterval": "100ms"}
+
+
+def memory_report(log: list[dict]) -> str:
+    """The executors lost and the peak of each of ``METRICS`` over the run (MiB)."""
+    lost = [e.get("Removed Reason", "") for e in log if e["Event"] == "SparkListenerExecutorRemoved"]
+    peaks = {m: 0 for m in METRICS}
+    for e in log:
+        if e["Event"] == "SparkListenerStageExecutorMetrics" and e.get("Executor ID") != "driver":
+            for m in METRICS:
+                peaks[m] = max(peaks[m], e["Executor Metrics"].get(m, 0))
+    reasons = "; ".join(sorted({r[:100] for r in lost}))
+    return (f"executors lost: {len(lost)}{' (' + reasons + ')' if lost else ''}\npeaks of one executor (MiB): "
+            + ", ".join(f"{m} {v / 2**20:.0f}" for m, v in peaks.items()))
 
 
 def data(rows: int, features: int, classes: int):
@@ -120,6 +154,7 @@ def main() -> None:
                         "instead of the planner's")
     parser.add_argument("--calibrate", action="store_true", help="calibrate the planner on the cluster first")
     parser.add_argument("--quick", action="store_true", help="smoke run: skip the PyTorch control run")
+    parser.add_argument("--metrics", action="store_true", help="log Spark's events: executors lost, memory peaks")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     cap = int(jvm_bytes(args.executor_memory))
@@ -127,10 +162,12 @@ def main() -> None:
     bigger = "data larger than an executor" if x.nbytes > cap else "NOT larger: a smoke size"
     print(f"features: {args.rows} × {args.features} float64 = {x.nbytes / 2**20:.0f} MiB; executors: 2 × 1 core × "
           f"{args.executor_memory} ({bigger})", flush=True)
-    with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
+    logs = tempfile.TemporaryDirectory(prefix="tra_spark_events_") if args.metrics else nullcontext()
+    with logs as directory, StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
+        config = {"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"}
         db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=args.executor_memory,
                              executor_cores=1, driver_memory="2g",
-                             config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
+                             config=config | (metrics_config(directory) if directory else {}))
         try:
             db.engine.wait_for_executors(2)
             task = db.engine.budget()[1]
@@ -145,6 +182,8 @@ def main() -> None:
             t = epoch(db, x, y, args.hidden, tile)
         finally:
             db.close()
+            if directory:
+                print(memory_report(events(Path(directory))), flush=True)
     print(f"\n| run | s | Spark jobs |\n|---|---|---|\n| tra_sql on Spark, one MLP epoch | {t['seconds']:.2f} | "
           f"{t['jobs']} |\nlosses: {t['losses']}")
     print(f"\nPyTorch, one process capped at {args.executor_memory} beyond what torch maps: "

@@ -131,3 +131,38 @@ def test_features_bigger_than_a_task_under_the_planners_tiling(sdb):
     np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-10)
     for ours, theirs in zip(runs[0][1], runs[1][1]):
         np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-13)
+
+
+def test_small_relations_are_not_shuffled(sdb, monkeypatch):
+    """A join's right side within a task's tile budget is read whole by each task of the join
+    (``SHUFFLE_REPLICATE_NL``: a cartesian product, no exchange), a step whose result is that
+    small is one partition (``COALESCE(1)``) and a view replicated into a join is kept (read
+    twice); with no budget nothing is hinted and every kept view goes to disk. numpy's answers
+    either way, and the query settings hold Arrow batches to a task's budget."""
+    from tra_sql.backends.spark import BATCH_BYTES
+    from tra_sql.backends.spark_sql import SparkDialect
+
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((40, 12)), rng.standard_normal((12, 6)), rng.standard_normal(6)
+    xt = sdb.from_numpy("rX", x, tile=(10, 12), replace=True)
+    h = sdb.einsum("nh,h->nh", sdb.einsum("nf,fh->nh", xt, sdb.from_numpy("rW", w, replace=True)),
+                   sdb.from_numpy("rb", b, replace=True), join="greatest(x0 + x1, 0)")
+    g = sdb.einsum("nh,nf->fh", h, xt)
+    hidden = np.maximum(x @ w + b, 0)
+    want = x.T @ hidden
+    hinted = sdb.engine.sql_dialect().steps(g.program())
+    assert hinted.text().count("SHUFFLE_REPLICATE_NL(") == 3 and "COALESCE(1)" in hinted.text()
+    assert not hinted.big
+    with sdb.engine.frame(g.program()) as frame:
+        plan = frame._jdf.queryExecution().executedPlan().toString()
+    assert plan.count("CartesianProduct") == 3 and "SortMergeJoin" not in plan
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(h.numpy(), hidden, rtol=1e-12)
+
+    plain = SparkDialect(sdb.engine.group_bytes, 0)
+    unhinted = plain.steps(g.program())
+    assert "SHUFFLE_REPLICATE_NL" not in unhinted.text() and "COALESCE" not in unhinted.text()
+    assert unhinted.big == {name for name, _, _ in unhinted.views}
+    monkeypatch.setattr(sdb.engine, "sql_dialect", lambda: plain)
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
+    assert sdb.engine.query_settings()[BATCH_BYTES] == str(int(sdb.engine.budget()[1]))

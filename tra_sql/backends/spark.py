@@ -27,7 +27,7 @@ from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
 from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
 from tra_sql.backends.spark_staged import SparkStages
-from tra_sql.backends.warehouse import Warehouse, quote, tile_schema, write_parquet
+from tra_sql.backends.warehouse import ROW_GROUP_BYTES, Warehouse, quote, tile_schema, write_parquet
 from tra_sql.catalog import TensorInfo
 from tra_sql.compile.program import Program
 from tra_sql.decompose.cost import Constants, parse_bytes
@@ -40,21 +40,30 @@ THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 LOOPBACK = ("127.0.0.1", "localhost")
 RESERVED = 300 << 20  # of an executor's heap, Spark's own (the rest times spark.memory.fraction: the tasks')
 #: A task holds each tile it works on up to this many times at once in its executor's heap (the
-#: Parquet reader's column batch, grown by doubling; the rows around each Python UDF and its
-#: result; several stages' tasks of the one job): an MLP step over 1 GiB of features in 512m
-#: executors (127 MiB per task) failed with 16 MiB feature tiles and completed with 4 MiB ones
-#: (still losing an executor now and then, which Spark's retries recovered: bench/RESULTS.md).
-TILE_COPIES = 24
+#: rows around each Python UDF and their Arrow batches, the rows made of the results, a Parquet
+#: row group and the batch decoded from it, sort and shuffle buffers). Measured on 512m
+#: executors (127 MiB per task) with Arrow batches of a task's budget, 8 MiB row groups and big
+#: checkpoints on disk, an MLP step over 256 MiB of features lost no executor with 8 MiB
+#: feature tiles (joined rows of 9.3 MiB: at most 13.7 copies) and lost four (retried) with
+#: 16 MiB ones (18.3 MiB: more than 7): bench/bench_spark_memory.py --metrics.
+TILE_COPIES = 16
 #: Settings under which a program runs as one Spark job (``SparkEngine.steps``; the default,
 #: ``spark_jobs.adaptive`` for Spark's own): adaptive execution runs every shuffle stage as a
 #: job of its own, and each broadcast join and each runtime Bloom filter (a scalar subquery) is
 #: a job too; without them the plan's stages run in the one job of its action, shared views
 #: computed once inside it. Without adaptive execution nothing coalesces small shuffles after
 #: the fact, so each program's shuffles get the partitions its data need
-#: (``SparkEngine.shuffle_partitions``).
+#: (``SparkEngine.shuffle_partitions``). A union of results that each have one partition (a
+#: training step's, its small relations coalesced: ``spark_sql``) keeps a task per result
+#: instead of becoming one task.
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
-           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false"}
+           "spark.sql.optimizer.runtime.bloomFilter.enabled": "false", "spark.sql.unionOutputPartitioning": "false"}
 PARTITIONS = "spark.sql.shuffle.partitions"
+#: The bytes of rows in one Arrow batch to or from a Python worker: a program's batches hold a
+#: task's tile budget (``SparkEngine.budget``; at least one row), since Spark holds a batch's
+#: rows several times over in the heap (the queue of rows awaiting their results, their
+#: projections, the rows made of the results).
+BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -87,7 +96,7 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
         "spark.pyspark.python": sys.executable, "spark.pyspark.driver.python": sys.executable,
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.log.level": "ERROR",
         "spark.sql.shuffle.partitions": "8", "spark.sql.execution.arrow.useLargeVarTypes": "true",
-        "spark.sql.execution.arrow.maxBytesPerBatch": str(256 << 20),  # per kernel call, as rows allow
+        "spark.hadoop.parquet.block.size": str(ROW_GROUP_BYTES),  # the row groups Spark writes
         # collect_list of tiles: sort-based aggregation holds one group at a time and spills;
         # the hash aggregate holds every group's list at once and runs out of heap on MB tiles
         "spark.sql.execution.useObjectHashAggregateExec": "false",
@@ -198,23 +207,35 @@ class SparkEngine(Engine):
     # -- programs and statements --------------------------------------------------------
     def sql_text(self, program: Program) -> str:
         """The Spark SQL this engine runs for ``program`` (see ``spark_sql``)."""
-        return SparkDialect(self.group_bytes).steps(program).text()
+        return self.sql_dialect().steps(program).text()
+
+    def sql_dialect(self) -> SparkDialect:
+        """The dialect programs are written in: groups over ``group_bytes`` as grouped
+        aggregates, relations that fit a task's tile budget (``budget``) not shuffled."""
+        return SparkDialect(self.group_bytes, self.budget()[1])
 
     @contextmanager
     def steps(self, steps: Steps, what: str):
         """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
-        when first read, and kept by the executors; a cached plan would instead carry its
+        when first read, and kept by the executors, on disk if it is ``big``: in their heaps a
+        checkpoint takes the memory the tasks need; a cached plan would instead carry its
         whole lineage into every plan that reads it). An action on it inside the block is
-        one Spark job (``program_settings``: the checkpoints are computed inside it). On exit the
-        views are dropped, the checkpoints' blocks freed and the settings put back."""
+        one Spark job (``program_settings``: the checkpoints are computed inside it), its Arrow
+        batches a task's tile budget (``BATCH_BYTES``). On exit the views are dropped, the
+        checkpoints' blocks freed and the settings put back."""
         self.ensure_kernels(steps.kernels)
-        values = dict(self.program_settings)
+        values = self.query_settings()
         adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
         if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
             values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
         with settings(self.spark, values), self._views(steps, what) as final:
             yield final
+
+    def query_settings(self) -> dict[str, str]:
+        """The SQL settings a program's or a relation's query runs under: ``program_settings``
+        over Arrow batches of a task's tile budget (``BATCH_BYTES``)."""
+        return {BATCH_BYTES: str(max(1, int(self.budget()[1]))), **self.program_settings}
 
     def shuffle_partitions(self, nbytes: int) -> int:
         """Partitions of every shuffle of a program whose largest relation holds ``nbytes``,
@@ -227,13 +248,16 @@ class SparkEngine(Engine):
 
     @contextmanager
     def _views(self, steps: Steps, what: str):
+        from pyspark import StorageLevel
+
         checkpoints = []
         try:
             try:
                 for name, sql, reads in steps.views:
                     frame = self.spark.sql(sql)
                     if reads > 1:
-                        frame = frame.localCheckpoint(eager=False)
+                        kept = StorageLevel.DISK_ONLY if name in steps.big else None
+                        frame = frame.localCheckpoint(eager=False, storageLevel=kept)
                         checkpoints.append(frame._jdf.queryExecution().logical().rdd())
                     frame.createOrReplaceTempView(name)
                 final = self.spark.sql(steps.final)
@@ -249,7 +273,7 @@ class SparkEngine(Engine):
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
         (INT) and ``tile``, valid inside the ``with`` block."""
-        return self.steps(SparkDialect(self.group_bytes).steps(program), program.root.label)
+        return self.steps(self.sql_dialect().steps(program), program.root.label)
 
     def run(self, program: Program) -> pa.Table:
         with self.frame(program) as frame:
@@ -263,7 +287,7 @@ class SparkEngine(Engine):
             self._write(info, lambda: frame, replace)
 
     def store_query(self, info: TensorInfo, query: exp.Select, replace: bool = False) -> None:
-        with settings(self.spark, self.program_settings):
+        with settings(self.spark, self.query_settings()):
             self._write(info, lambda: self.spark.sql(query.sql(dialect=self.dialect)), replace)
 
     def _write(self, info: TensorInfo, frame, replace: bool) -> None:

@@ -16,6 +16,13 @@ aggregate UDF instead, ``tra_einsum_group_<n>(meta, keys, keys0, tile0, ...)`` o
 ``tra_reduce_group(meta, tile)``, which Spark feeds a group's rows in bounded batches after
 sorting by the group keys (see ``spark_udfs``). Small tiles keep the list, which batches
 many groups into one kernel call.
+
+Small relations (at most the dialect's ``replicate`` bytes: a few tiles, such as a layer's
+weights, a bias, an optimizer's moments) are not shuffled: a join's right side that small is
+read whole by every task of the join (the hint ``SHUFFLE_REPLICATE_NL``: a cartesian product
+filtered by the join keys, no exchange on either side), and a step whose result is that small
+is computed into one partition (``COALESCE(1)``: its consumers' tasks, each a Python UDF's
+start, are not multiplied by the shuffle's partitions).
 """
 
 from __future__ import annotations
@@ -55,6 +62,17 @@ def largest(program: Program) -> int:
     return max((node.dtype.itemsize * prod(node.shape) for node in nodes), default=0)
 
 
+def relation_bytes(program: Program) -> dict[str, int]:
+    """Bytes of every dense relation ``program`` reads or makes, by its name in the SQL (a
+    step's CTE, a stored table); CSR relations are left out (their nonzeros are not known)."""
+    sizes = {}
+    for name, _, step in program.ctes:
+        for ref, node in [(name, step), *((program.refs[id(n)], n) for n in step.inputs)]:
+            if node.layout == "dense":
+                sizes[ref] = node.dtype.itemsize * prod(node.shape)
+    return sizes
+
+
 def partial_bytes(step: EinsumStep) -> int:
     """Bytes of partial results in one group of a ``tra_reduce`` step (interior tiles)."""
     return prod(step.tiles[c] for c in step.output) * np.dtype(step.out_dtype).itemsize * _groups(step)
@@ -63,13 +81,18 @@ def partial_bytes(step: EinsumStep) -> int:
 @dataclass
 class Steps:
     """A query as Spark runs it: temporary ``views`` in order (name, SQL, how many later
-    steps read it), then the ``final`` SQL over them; the kernels they call; and the bytes of
-    the largest dense relation they read or make (0 if not known)."""
+    steps read it, a view replicated into a join counting once more), then the ``final`` SQL
+    over them; the kernels they call; and the bytes of the largest dense relation they read or
+    make (0 if not known); the ``big`` views."""
 
     views: list[tuple[str, str, int]]
     final: str
     kernels: set[Kernel]
     nbytes: int = 0
+    #: views bigger than a task's tile budget (the dialect's ``replicate``), or of no known size
+    #: (a staged plan's band queries): a checkpoint of one is kept on the executors' disks, not
+    #: in their heaps
+    big: frozenset[str] = frozenset()
 
     def text(self) -> str:
         """All of it as one script, for reading."""
@@ -84,8 +107,9 @@ class SparkDialect(Dialect):
     materialized = False
     fuses_contractions = False  # no native aggregates: split BLAS products stay partials + tra_reduce
 
-    def __init__(self, limit: int = GROUP_BYTES):
+    def __init__(self, limit: int = GROUP_BYTES, replicate: float = 0):
         self.limit = limit  # the most bytes of tiles a group may hold in one row
+        self.replicate = replicate  # relations of at most this many bytes are not shuffled
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """``node`` as a grouped aggregate UDF call if its groups exceed ``limit`` bytes."""
@@ -110,44 +134,94 @@ class SparkDialect(Dialect):
 
     def steps(self, program: Program) -> Steps:
         """``program`` as steps (see ``Steps``) whose final query returns ``k0.. (INT), tile``."""
-        steps = self.query_steps(program.query(materialized=False), len(program.root.shape))
+        keys = _keys(len(program.root.shape))
+        steps = self._steps(program.query(materialized=False),
+                            lambda body: exp.select(*keys, "tile").from_(body.subquery("r")), relation_bytes(program))
         steps.nbytes = largest(program)
         return steps
 
     def query_steps(self, query: exp.Select, rank: int) -> Steps:
         """A query of a rank-``rank`` tile relation (plain CTEs) as steps whose final query
         returns ``k0.. (INT), tile``."""
-        keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
+        keys = _keys(rank)
         return self._steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")))
 
     def union_steps(self, program: Program, results: dict) -> Steps:
         """``Program.union_query(results)`` as steps: the final query returns the rows
         ``target, k0, ..., tile`` (INT keys) of several results."""
         rank = max((len(node.shape) for node in results.values()), default=0)
-        keys = [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
+        keys = _keys(rank)
         steps = self._steps(program.union_query(results),
-                            lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")))
+                            lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")),
+                            relation_bytes(program))
         steps.nbytes = largest(program)
         return steps
 
-    def _steps(self, query: exp.Expression, finish) -> Steps:
-        """``query``'s CTEs as views named uniquely (the same program may run twice at once)."""
+    def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None) -> Steps:
+        """``query``'s CTEs as views named uniquely (the same program may run twice at once),
+        the relations that ``sizes`` (bytes by name) says are small not shuffled (``hint``). A
+        view replicated into a join counts as read twice: the session keeps it (a local
+        checkpoint), else each task of the join would compute it again, and its inputs."""
         key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
         ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
         body = query.copy()
         body.set(key, None)
         prefix = f"_tra_{uuid.uuid4().hex[:12]}"
         names = {name: f"{prefix}{name}" for name, _ in ctes}
+        replicated: set[str] = set()
 
-        def renamed(select: exp.Expression) -> exp.Expression:
-            select = select.copy()
+        def renamed(select: exp.Expression, name: str | None = None) -> exp.Expression:
+            select = self.hint(select.copy(), sizes or {}, name, replicated)
             for table in select.find_all(exp.Table):
                 if table.name in names and not table.db:
                     table.set("this", exp.to_identifier(names[table.name], quoted=True))
             return select
 
-        parts = [renamed(select) for _, select in ctes] + [renamed(finish(body))]
+        parts = [renamed(select, name) for name, select in ctes] + [renamed(finish(body))]
         reads = Counter(table.name for part in parts for table in part.find_all(exp.Table))
+        reads.update({names[name]: 1 for name in replicated & names.keys()})
         rendered = [self.render(part) for part in parts]
         views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(ctes, rendered)]
-        return Steps(views, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)))
+        big = frozenset(names[name] for name, _ in ctes if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
+        return Steps(views, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big)
+
+    def hint(self, query: exp.Expression, sizes: dict[str, int], name: str | None,
+             replicated: set[str]) -> exp.Expression:
+        """``query`` (the step ``name``, if one) with Spark hints for its small relations: each
+        inner join's right side of at most ``replicate`` bytes ``SHUFFLE_REPLICATE_NL`` (read
+        whole by each task, no exchange; its name added to ``replicated``), and ``COALESCE(1)``
+        if the step's result is that small."""
+        def small(ref: str) -> bool:
+            return ref in sizes and sizes[ref] <= self.replicate
+
+        for select in list(query.find_all(exp.Select)):
+            small_sides = [join.this for join in select.args.get("joins") or []
+                           if isinstance(join.this, exp.Table) and not join.side
+                           and join.kind in ("", "INNER", "CROSS") and small(join.this.name)]
+            replicated.update(table.name for table in small_sides)
+            _add_hint(select, [exp.Anonymous(this="SHUFFLE_REPLICATE_NL",
+                                             expressions=[exp.to_identifier(table.alias_or_name)])
+                               for table in small_sides])
+            for table in small_sides:  # one partition: each of the other side's is computed once
+                alias = table.alias_or_name
+                table.replace(_coalesced(exp.select("*").from_(exp.Table(this=table.this.copy())))
+                              .subquery(alias))
+        if name is not None and small(name) and isinstance(query, exp.Select):
+            _coalesced(query)
+        return query
+
+
+def _keys(rank: int) -> list[exp.Expression]:
+    return [exp.alias_(exp.cast(exp.column(f"k{d}"), "INT"), f"k{d}") for d in range(rank)]
+
+
+def _coalesced(select: exp.Select) -> exp.Select:
+    """``select`` computed into one partition (``COALESCE(1)``, no shuffle)."""
+    _add_hint(select, [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(1)])])
+    return select
+
+
+def _add_hint(select: exp.Select, hints: list[exp.Expression]) -> None:
+    if hints:
+        before = select.args.get("hint")
+        select.set("hint", exp.Hint(expressions=[*(before.expressions if before else []), *hints]))

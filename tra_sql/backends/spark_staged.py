@@ -8,7 +8,6 @@ from __future__ import annotations
 from sqlglot import exp
 
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import SparkDialect
 from tra_sql.backends.warehouse import columns, quote, tile_schema, write_parquet
 from tra_sql.engines.staged import Stages
 
@@ -18,7 +17,7 @@ class SparkStages(Stages):
 
     def __init__(self, engine):
         super().__init__(engine)
-        self.dialect = SparkDialect(engine.group_bytes)
+        self.dialect = engine.sql_dialect()
         self.ranks: dict[str, int] = {}  # of the tables created
 
     def create(self, table: str, rank: int, temp: bool = False) -> None:

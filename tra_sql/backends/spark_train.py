@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark_sql import SparkDialect, Steps
+from tra_sql.backends.spark_sql import Steps
 from tra_sql.backends.warehouse import columns, write_parquet
 from tra_sql.compile.program import Program
 from tra_sql.optim import Optimizer
@@ -80,7 +80,7 @@ class SparkTrainer(core.Trainer):
         p = self.plan(batch)
         if batch not in self.queries:
             program = Program.compile(*p.nodes.values())
-            self.queries[batch] = SparkDialect(self.db.engine.group_bytes).union_steps(program, p.nodes)
+            self.queries[batch] = self.db.engine.sql_dialect().union_steps(program, p.nodes)
         self.set_scalars(step)
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)

@@ -35,7 +35,10 @@ from tra_sql.errors import TensorExistsError, UnknownTensorError
 CATALOG_SCHEMA = pa.schema([("name", pa.string()), ("dtype", pa.string()),
                             ("shape", pa.list_(pa.int64())), ("tile_shape", pa.list_(pa.int64())),
                             ("layout", pa.string())])  # absent (dense) in warehouses written before it
-ROW_GROUP_BYTES = 32 << 20  # Parquet row groups of about this size: Spark's unit of parallel reads
+#: Parquet row groups of about this size (Spark's unit of parallel reads; the writers' too:
+#: ``parquet.block.size``): Spark's reader holds a row group's column chunk and the batch it
+#: decodes from it (grown by doubling) in a task's heap at once, so they are kept small.
+ROW_GROUP_BYTES = 8 << 20
 
 
 def quote(name: str) -> str:
