@@ -93,11 +93,15 @@ def batched(quick: bool, repeat: int) -> None:
                                 db.from_numpy("y", y, (bt, jt, n), replace=True))
             np.testing.assert_allclose(product.numpy(), np.matmul(x, y), rtol=1e-3)  # (and the warm-up)
             runs[kind] = product.numpy
-        m = _medians(runs, repeat)
-        print(f"| ({bt}, {n}, {jt}) x ({bt}, {jt}, {n}) | {m['matmul']:.3f} | {m['native']:.3f} | "
-              f"{m['arrow']:.3f} | {m['native'] / m['matmul']:.2f} | {m['arrow'] / m['matmul']:.2f} |", flush=True)
+        _row(f"({bt}, {n}, {jt}) x ({bt}, {jt}, {n})", _medians(runs, repeat), "matmul")
     for db in sessions.values():
         db.close()
+
+
+def _row(label: str, m: dict[str, float], peer: str) -> None:
+    """A table row: the peer's, the native and the Arrow medians, and their ratios to the peer."""
+    print(f"| {label} | {m[peer]:.3f} | {m['native']:.3f} | {m['arrow']:.3f} | {m['native'] / m[peer]:.2f} | "
+          f"{m['arrow'] / m[peer]:.2f} |", flush=True)
 
 
 def epilogue(quick: bool, repeat: int) -> None:
@@ -120,9 +124,7 @@ def epilogue(quick: bool, repeat: int) -> None:
                 raise SystemExit("the product with its epilogue is not one native call")
             np.testing.assert_allclose(out.numpy(), want, rtol=1e-3, atol=1e-3)  # (and the warm-up)
             runs[kind] = out.numpy
-        m = _medians(runs, repeat)
-        print(f"| ({t}, {n}), ({n}, {t}) | {m['numpy']:.3f} | {m['native']:.3f} | {m['arrow']:.3f} | "
-              f"{m['native'] / m['numpy']:.2f} | {m['arrow'] / m['numpy']:.2f} |", flush=True)
+        _row(f"({t}, {n}), ({n}, {t})", _medians(runs, repeat), "numpy")
     for db in sessions.values():
         db.close()
 
