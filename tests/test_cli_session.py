@@ -52,7 +52,7 @@ def test_a_whole_session_through_the_cli(tmp_path):
     for g in grad:
         assert f"{g:.6f}".rstrip("0") in out
     assert "einsum('nf,f,n->'" in out  # .views
-    assert "TRA_EINSUM" in out.upper()  # EXPLAIN: the gradient's SQL
+    assert "TRA_LOOP_" in out.upper()  # EXPLAIN: the gradient's SQL, in the kernels DuckDB runs
     assert "Plan for einsum nf,f->n" in out  # tra_plan
     with tra_sql.connect() as db:  # the same model through the Python API
         X, Y = db.from_numpy("X", x), db.from_numpy("y", y)
