@@ -31,6 +31,7 @@ TORCH_AGGS = {"max": "amax", "min": "amin"}
 COUNTS: Counter = Counter()
 HEADER = """import numpy as np
 import tra_sql
+import tra_sql.graph, tra_sql.tensor
 from tra_sql import nn
 from tra_sql.catalog import TensorInfo, assemble
 from tra_sql.train_step import compile_step, run_step
@@ -47,6 +48,20 @@ def stepped(t, fused):  # tensor t's tiles computed as a training step computes 
     if rows is None:  # the step's statements stored it
         return db.engine.arrow(f'SELECT * FROM "{step.tables["out"]}"')
     return rows.drop_columns(["target"])
+
+def via_sql(t):  # tensor t through the SQL front end: its einsums nested einsum(...) calls, the rest stored first
+    def text(node):
+        if isinstance(node, tra_sql.graph.Source):
+            return f'"{node.table}"'
+        if not isinstance(node, tra_sql.graph.Einsum) or node.softmax is not None:
+            name = f"_via_sql_{len(db.tensors())}"
+            tra_sql.tensor.Tensor(db, node).store(name)
+            return f'"{name}"'
+        join = [] if node.join is None else ['"join" => ' + "'" + node.join.replace("'", "''") + "'"]
+        args = [f"'{node.spec}'", *map(text, node.operands), *join, f"agg => '{node.agg}'"]
+        return f"einsum({', '.join(args)})"
+    db.sql(f"CREATE OR REPLACE TENSOR _via_sql AS SELECT * FROM {text(t.node)}")
+    return db.tensor("_via_sql").numpy(plan=False)
 
 db = tra_sql.connect()
 """

@@ -126,8 +126,9 @@ def run_paths(program: Program, db, paths: list[str], namespace: dict | None = N
 @st.composite
 def duckdb_paths(draw, program: Program) -> list[str]:
     """Every path of one output: as written, through arrow() and store(), as a training step's
-    root (its one query and its statements), under a roomy and a tight (staged) plan for random
-    workers, and with each fusion off that changes its SQL."""
+    root (its one query and its statements), through the SQL front end (its einsums as SQL),
+    under a roomy and a tight (staged) plan for random workers, and with each fusion off that
+    changes its SQL."""
     w = [draw(st.integers(1, 4)) for _ in range(3)]
     roomy, tight = draw(st.sampled_from(ROOMY)), draw(st.sampled_from(TIGHT))
     return [
@@ -137,6 +138,7 @@ def duckdb_paths(draw, program: Program) -> list[str]:
         'got = {v}.store("{v}_stored").numpy(plan=False)',
         "got = dense({v}, stepped({v}, fused=True))",
         "got = dense({v}, stepped({v}, fused=False))",
+        "got = via_sql({v})",
         f'got = {{v}}.numpy(plan=db.plan({{v}}, workers={w[0]}, memory="{roomy}"))',
         f'plan = db.plan({{v}}, workers={w[1]}, memory="{tight}")\ngot = dense({{v}}, {{v}}.arrow(plan=plan))',
         f'got = {{v}}.store("{{v}}_planned", plan=db.plan({{v}}, workers={w[2]}, memory="{tight}")).numpy(plan=False)',
@@ -251,10 +253,11 @@ def spark(tmp_path_factory):
 @given(data=st.data())
 def test_random_programs_on_spark(spark, data):
     """A small sample of random programs (no absent tiles: they are deleted in DuckDB SQL) on
-    Spark local[2]: numpy(), arrow() and store(), unplanned and under a tight (staged) plan."""
+    Spark local[2]: numpy(), arrow() and store(), through the SQL front end, unplanned and under a
+    tight (staged) plan."""
     program = data.draw(programs(absent=False, ops=(1, 3)))
     paths = ["got = {v}.numpy(plan=False)", "got = dense({v}, {v}.arrow())",
-             'got = {v}.store("{v}_stored").numpy(plan=False)',
+             'got = {v}.store("{v}_stored").numpy(plan=False)', "got = via_sql({v})",
              'plan = db.plan({v}, workers=2, memory="16KB")\ngot = dense({v}, {v}.arrow(plan=plan))',
              'got = {v}.store("{v}_planned", plan=db.plan({v}, workers=2, memory="16KB")).numpy(plan=False)']
     try:
