@@ -34,6 +34,7 @@ import tra_sql
 import tra_sql.graph, tra_sql.tensor
 from tra_sql import nn
 from tra_sql.catalog import TensorInfo, assemble
+from tra_sql.compile import program as compiled
 from tra_sql.train_step import compile_step, run_step
 
 def dense(t, tiles):  # a tile relation (arrow()) of tensor or node t as an ndarray, each tile key once
@@ -48,6 +49,11 @@ def stepped(t, fused):  # tensor t's tiles computed as a training step computes 
     if rows is None:  # the step's statements stored it
         return db.engine.arrow(f'SELECT * FROM "{step.tables["out"]}"')
     return rows.drop_columns(["target"])
+
+def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark computes its roots (one job)
+    query = db.engine.sql_dialect().union_steps(compiled.Program.compile(t.node), {"out": t.node})
+    with db.engine.steps(query, "a differential step") as frame:
+        return frame.toArrow().drop_columns(["target"])
 
 def via_sql(t):  # tensor t through the SQL front end: its einsums nested einsum(...) calls, the rest stored first
     def text(node):
