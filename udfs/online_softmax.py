@@ -5,7 +5,7 @@ and (batch, rows, cols) matrices of the probabilities' dtype) and one key tile's
 matrices, contiguous (batch, rows, inner), (batch, keys, inner), (batch, keys, cols).
 
 ``fold`` computes the scores of ``ROW_BLOCK`` query rows at a time with BLAS (NumPy's OpenBLAS,
-``native.blas``; each product under the kernels' mutex), each block only over the span of
+``blas``; each product under the kernels' mutex), each block only over the span of
 keys its mask allows any of its rows (causal: about half the scores; a block with none is
 skipped), then scales, masks, takes the row max, exponentiates and sums in one pass per row
 and adds the weights times V into the state with a second product. Masked positions (mask
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tra_sql.udfs.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.cores import lock, unlock
-from tra_sql.udfs.native.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 
 ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
 

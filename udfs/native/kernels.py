@@ -21,7 +21,8 @@ import duckdb
 import numpy as np
 
 from tra_sql.errors import SpecError
-from tra_sql.udfs.native import blas, capi, loader
+from tra_sql.udfs import blas
+from tra_sql.udfs.native import capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
 from tra_sql.udfs.protocol import ATTENTIONS, CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
