@@ -216,3 +216,22 @@ def test_calls_by_hand_raise_and_the_process_survives(native, function, step, ke
             f"{', '.join([f'[0, 0, 0, 0], {TILE}'] * 3)})")
     result = np.frombuffer(native.engine.con.execute(good).fetchall()[0][0], np.float32)
     np.testing.assert_allclose(result, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("v_sub, out_sub, v_shape", [("s", "", (7,)), ("sv", "v", (7, 2))])
+def test_attention_without_query_rows(native, arrow, v_sub, out_sub, v_shape):
+    """One query vector (no rows, no batch): a vector result, or a scalar one (rank 0)."""
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal(3), rng.standard_normal((7, 3)), rng.standard_normal(v_shape)
+    results = []
+    for db in (native, arrow):
+        Q, K = db.from_numpy("rq", q, (3,), replace=True), db.from_numpy("rk", k, (3, 3), replace=True)
+        V = db.from_numpy("rv", v, (3, *v_shape[1:]), replace=True)
+        out = db.einsum(f"s,{v_sub}->{out_sub}", nn.softmax(db, db.einsum("k,sk->s", Q, K), scale=0.5), V)
+        assert "TRA_ATTENTION_AGG_FLOAT64_3(" in out.sql()
+        results.append(out.numpy())
+    scores = k @ q * 0.5
+    p = np.exp(scores - scores.max())
+    want = np.tensordot(p / p.sum(), v, 1)
+    for got in results:
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -74,6 +74,9 @@ def found(text: str) -> tuple[np.ndarray, ...]:
 def _gather(src, dst, extents, strides) -> None:
     """``dst`` (contiguous, of ``extents``) from ``src`` read at ``strides`` (0: broadcast)."""
     rank = len(extents)
+    if rank == 0:  # a scalar
+        dst[0] = src[0]
+        return
     at = np.zeros(rank, np.int64)
     inner = extents[rank - 1]
     for start in range(0, len(dst), max(inner, 1)):
