@@ -4,12 +4,12 @@ an output tile's state (row max, row sum and the weighted sum of V's rows, as (b
 and (batch, rows, cols) matrices of the probabilities' dtype) and one key tile's Q, K, V
 matrices, contiguous (batch, rows, inner), (batch, keys, inner), (batch, keys, cols).
 
-``fold`` computes the scores of ``ROW_BLOCK`` query rows at a time with BLAS (NumPy's OpenBLAS,
-``blas``; each product under the kernels' mutex), each block only over the span of
+``fold`` computes the scaled scores of ``ROW_BLOCK`` query rows at a time with BLAS (NumPy's
+OpenBLAS, ``blas``; each product under the kernels' mutex), each block only over the span of
 keys its mask allows any of its rows (causal: about half the scores; a block with none is
-skipped), then scales, masks, takes the row max, exponentiates and sums in one pass per row
-and adds the weights times V into the state with a second product. Masked positions (mask
-not > 0) get weight 0; a row with every position masked so far has row max -inf and stays 0.
+skipped), then per row masks, takes the max, exponentiates and sums, and adds the weights
+times V into the state with a second product. Masked positions (mask not > 0) get weight 0;
+a row with every position masked so far has row max -inf and stays 0.
 ``merge`` folds one state into another (the softmax is associative: each side rescaled by
 exp of its max's difference from the joint max); ``finish`` writes acc / row sum (0 for a
 row without weight)."""
@@ -26,13 +26,13 @@ ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its
 
 
 @njit(cache=True, nogil=True)
-def _gemm(mutex, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc, single) -> None:
-    """``C = A op(B) + beta C`` (row-major, addresses), float32 if ``single``, under ``mutex``."""
+def _gemm(mutex, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, single) -> None:
+    """``C = alpha A op(B) + beta C`` (row-major, addresses), float32 if ``single``, under ``mutex``."""
     lock(mutex)
     if single:
-        SGEMM(ROW_MAJOR, NO_TRANS, trans_b, m, n, k, np.float32(1), a, lda, b, ldb, np.float32(beta), c, ldc)
+        SGEMM(ROW_MAJOR, NO_TRANS, trans_b, m, n, k, np.float32(alpha), a, lda, b, ldb, np.float32(beta), c, ldc)
     else:
-        DGEMM(ROW_MAJOR, NO_TRANS, trans_b, m, n, k, 1.0, a, lda, b, ldb, np.float64(beta), c, ldc)
+        DGEMM(ROW_MAJOR, NO_TRANS, trans_b, m, n, k, np.float64(alpha), a, lda, b, ldb, np.float64(beta), c, ldc)
     unlock(mutex)
 
 
@@ -81,34 +81,32 @@ def fold(q, k, v, allowed, masked, scale, row_max, row_sum, acc, mutex) -> None:
                 continue
             r0 = block * ROW_BLOCK
             nr, span = min(rows, r0 + ROW_BLOCK) - r0, hi - lo
-            _gemm(mutex, TRANS, nr, span, inner, np.uint64(q.ctypes.data) + item * np.uint64((b * rows + r0) * inner),
-                  inner, np.uint64(k.ctypes.data) + item * np.uint64((b * keys + lo) * inner), inner, 0.0, at, span,
-                  single)
+            _gemm(mutex, TRANS, nr, span, inner, scale, np.uint64(q.ctypes.data)
+                  + item * np.uint64((b * rows + r0) * inner), inner,
+                  np.uint64(k.ctypes.data) + item * np.uint64((b * keys + lo) * inner), inner, 0.0, at, span, single)
             for i in range(nr):
                 r = r0 + i
                 x = scores[i * span: (i + 1) * span]
                 old = row_max[b, r]
                 top = old
+                if masked:  # a masked position's score -inf: its weight exp(-inf) = 0
+                    seen = allowed[mb, r, lo: hi]
+                    for j in range(span):
+                        x[j] = x[j] if seen[j] else -np.inf
                 for j in range(span):
-                    if masked and not allowed[mb, r, lo + j]:
-                        continue
-                    x[j] *= scale
                     top = max(top, x[j])
                 if top == -np.inf:  # nothing to see yet: no weight
                     x[:] = 0
                     continue
                 total = 0.0
                 for j in range(span):
-                    if masked and not allowed[mb, r, lo + j]:
-                        x[j] = 0
-                    else:
-                        x[j] = np.exp(x[j] - top)
-                        total += x[j]
+                    x[j] = np.exp(x[j] - top)
+                    total += x[j]
                 carry = np.exp(old - top)
                 row_sum[b, r] = row_sum[b, r] * carry + total
                 row_max[b, r] = top
                 acc[b, r] *= carry
-            _gemm(mutex, NO_TRANS, nr, cols, span, at, span, np.uint64(v.ctypes.data)
+            _gemm(mutex, NO_TRANS, nr, cols, span, 1.0, at, span, np.uint64(v.ctypes.data)
                   + item * np.uint64((b * keys + lo) * cols), cols, 1.0,
                   np.uint64(acc.ctypes.data) + item * np.uint64((b * rows + r0) * cols), cols, single)
 
