@@ -235,3 +235,15 @@ def test_attention_without_query_rows(native, arrow, v_sub, out_sub, v_shape):
     want = np.tensordot(p / p.sum(), v, 1)
     for got in results:
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, exp, rtol", [(np.float32, online_softmax._exp32, 3e-7),
+                                              (np.float64, online_softmax._exp64, 1e-15)])
+def test_the_bodys_exp(dtype, exp, rtol):
+    """The vectorized exp of the weights: as NumPy's to a few ulp, exp(-inf) = 0, NaN stays NaN."""
+    x = np.concatenate([-np.random.default_rng(1).random(10_000) * 80, [0.0, -np.inf, np.nan, -1e30]]).astype(dtype)
+    got = x.copy()
+    exp(got, dtype(0.5))
+    want = np.exp((x - dtype(0.5)).astype(np.float64))  # of the difference as the body computes it
+    np.testing.assert_allclose(got[:-4], want[:-4], rtol=rtol, atol=0)
+    assert got[-4] == np.exp(dtype(-0.5)) and got[-3] == 0 and np.isnan(got[-2]) and got[-1] == 0
