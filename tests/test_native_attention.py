@@ -30,7 +30,8 @@ def _native_kernels(monkeypatch):
 
 
 def reference(q, k, v, keep, scale):
-    """softmax over s of scale * q·k where ``keep`` (q, s), times v; 0 for rows without a key."""
+    """softmax over s of scale * q·k where ``keep`` (the scores' trailing axes), times v; 0 for
+    rows without a key."""
     S = np.einsum("bqhk,bshk->bhqs", q.astype(np.float64), k.astype(np.float64)) * scale
     S = np.where(keep, S, -np.inf)
     top = S.max(-1, keepdims=True)
@@ -54,10 +55,13 @@ def tolerance(dtype):
 
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(dtype=st.sampled_from([np.float32, np.float64]), masked=st.booleans(), data=st.data())
-def test_attention_equals_numpy_and_the_arrow_path(native, arrow, dtype, masked, data):
+@given(dtype=st.sampled_from([np.float32, np.float64]), mask_rank=st.sampled_from([0, 2, 3, 4]), data=st.data())
+def test_attention_equals_numpy_and_the_arrow_path(native, arrow, dtype, mask_rank, data):
     """Several key tiles per output tile (the update folds each), ragged tiles everywhere but
-    the contracted head dimension (one tile, as the fusion needs), a row with every key masked."""
+    the contracted head dimension (one tile, as the fusion needs); no mask, or a mask over the
+    scores' trailing axes (q, s), (h, q, s) (broadcast over A) or (A, h, q, s), with a row that
+    sees no key."""
+    masked = bool(mask_rank)
     draw = lambda lo, hi, label: data.draw(st.integers(lo, hi), label=label)  # noqa: E731
     b, q, s, h, dk, dv = draw(1, 3, "b"), draw(1, 9, "q"), draw(2, 12, "s"), draw(1, 3, "h"), draw(1, 5, "dk"), \
         draw(1, 5, "dv")
@@ -68,10 +72,10 @@ def test_attention_equals_numpy_and_the_arrow_path(native, arrow, dtype, masked,
     tiles = [(tb, tq, th, dk), (tb, ts, th, dk), (tb, ts, th, tv)]
     keep = np.ones((q, s), bool)
     if masked:
-        keep = rng.random((q, s)) > 0.4
-        keep[q // 2] = False
+        keep = rng.random((b, h, q, s)[4 - mask_rank:]) > 0.4
+        keep[..., q // 2, :] = False
         arrays.append(keep.astype(dtype))
-        tiles.append((tq, ts))
+        tiles.append((tb, th, tq, ts)[4 - mask_rank:])
     out = attention(native, "n", arrays, tiles, 0.7)
     sql = out.sql()
     assert f"TRA_ATTENTION_AGG_{np.dtype(dtype).name.upper()}_{len(arrays)}(" in sql and "ARRAY_AGG" not in sql
