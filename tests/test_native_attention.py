@@ -19,6 +19,7 @@ from tra_sql.compile.program import Program
 from tra_sql.errors import CorruptTileError
 from tra_sql.udfs import cores, online_softmax
 from tra_sql.udfs.native import loader
+from tra_sql.udfs.protocol import Kernel
 
 pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
 
@@ -197,7 +198,9 @@ def _step(db):
     """A native attention call's step literal (float32, no mask, one tile each)."""
     arrays = [np.ones(shape, np.float32) for shape in [(1, 2, 1, 1), (1, 2, 1, 1), (1, 2, 1, 1)]]
     out = attention(db, "h", arrays, [a.shape for a in arrays], 1.0)
-    text, _ = DUCKDB.render(Program.compile(out.node).query())
+    program = Program.compile(out.node)
+    db.engine.ensure_kernels(program.kernels)  # the aggregates register with tra_attention_3
+    text, _ = DUCKDB.render(program.query())
     return text.split("TRA_ATTENTION_AGG_FLOAT32_3('")[1].split("'")[0]
 
 
@@ -212,14 +215,25 @@ TILE = "'\\x00\\x00\\x80\\x3f\\x00\\x00\\x80\\x3f'::BLOB"  # two 1.0f
     ("float32", None, "[0, 0, 0, 0]", "'\\x01'::BLOB", "holds 1 bytes"),
 ])
 def test_calls_by_hand_raise_and_the_process_survives(native, function, step, keys, tile, message):
-    step = step or f"'{_step(native)}'"
+    good_step = _step(native)
+    step = step or f"'{good_step}'"
     operands = f"{keys}, {tile}, [0, 0, 0, 0], {TILE}, [0, 0, 0, 0], {TILE}"
     with pytest.raises(duckdb.Error, match=message):
         native.engine.con.execute(f"SELECT tra_attention_agg_{function}_3({step}, [0, 0, 0, 0], {operands})").fetchall()
-    good = (f"SELECT tra_attention_agg_float32_3('{_step(native)}', [0, 0, 0, 0], "
+    good = (f"SELECT tra_attention_agg_float32_3('{good_step}', [0, 0, 0, 0], "
             f"{', '.join([f'[0, 0, 0, 0], {TILE}'] * 3)})")
     result = np.frombuffer(native.engine.con.execute(good).fetchall()[0][0], np.float32)
     np.testing.assert_allclose(result, [1.0, 1.0])
+
+
+def test_a_step_of_another_arity_is_refused(native):
+    """A step of Q, K, V passed to the function of four operands (a mask's) by hand."""
+    step = _step(native)
+    native.engine.ensure_kernels([Kernel("attention", 4)])
+    operands = ", ".join([f"[0, 0, 0, 0], {TILE}"] * 3 + [f"[0, 0], {TILE}"])
+    sql = f"SELECT tra_attention_agg_float32_4('{step}', [0, 0, 0, 0], {operands})"
+    with pytest.raises(duckdb.Error, match="another number of operands"):
+        native.engine.con.execute(sql).fetchall()
 
 
 @pytest.mark.parametrize("v_sub, out_sub, v_shape", [("s", "", (7,)), ("sv", "v", (7, 2))])
