@@ -56,6 +56,17 @@ class Roles:
                 and all(set(m) <= set(roles.batch + roles.rows + softmax) for m in inputs[3:]))
         return roles if fits else None
 
+    def matrices(self, mask: str | None = None) -> tuple[tuple[str, ...], ...]:
+        """The groups of indices each operand's tile is viewed as (a matrix per group: Q
+        (batch, rows, inner), K (batch, keys, inner), V (batch, keys, cols), then the mask
+        (subscript ``mask``, if any) as (batch, rows, keys), its batch empty (broadcast) unless
+        it has batch indices) and the result's (batch, rows, cols)."""
+        groups = ((self.batch, self.rows, self.inner), (self.batch, self.keys, self.inner),
+                  (self.batch, self.keys, self.cols))
+        if mask is not None:
+            groups += ((self.batch if set(mask) & set(self.batch) else "", self.rows, self.keys),)
+        return (*groups, (self.batch, self.rows, self.cols))
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionMeta:
@@ -104,16 +115,17 @@ class OnlineSoftmax:
         self.meta, r = meta, meta.roles
         self.extent = dict(zip(meta.step.inputs[0], q.shape))
         self.dtype = np.dtype(meta.step.probs_dtype)
-        self.q = np.ascontiguousarray(_matrices(q, meta.step.inputs[0], r.batch, r.rows, r.inner), dtype=self.dtype)
+        self.groups = r.matrices(meta.step.inputs[3] if len(meta.step.inputs) == 4 else None)
+        self.q = np.ascontiguousarray(_matrices(q, meta.step.inputs[0], *self.groups[0]), dtype=self.dtype)
         self.row_max = np.full(self.q.shape[:2], -np.inf, dtype=self.dtype)
         self.row_sum = np.zeros_like(self.row_max)
         self.acc: np.ndarray | None = None
 
     def add(self, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
         """Fold in one key tile."""
-        meta, r = self.meta, self.meta.roles
-        km = np.ascontiguousarray(_matrices(k, meta.step.inputs[1], r.batch, r.keys, r.inner), dtype=self.dtype)
-        vm = np.ascontiguousarray(_matrices(v, meta.step.inputs[2], r.batch, r.keys, r.cols), dtype=self.dtype)
+        meta = self.meta
+        km = np.ascontiguousarray(_matrices(k, meta.step.inputs[1], *self.groups[1]), dtype=self.dtype)
+        vm = np.ascontiguousarray(_matrices(v, meta.step.inputs[2], *self.groups[2]), dtype=self.dtype)
         if self.acc is None:
             self.acc = np.zeros((*self.q.shape[:2], vm.shape[2]), dtype=self.dtype)
         allowed = np.zeros((1, 1, 1), np.uint8) if mask is None else \
@@ -123,20 +135,19 @@ class OnlineSoftmax:
 
     def _allowed(self, mask: np.ndarray, key_extent: dict[str, int]) -> np.ndarray:
         """Where the mask tile is > 0, as (batch or 1, rows, keys) matrices."""
-        r, sub = self.meta.roles, self.meta.step.inputs[3]
+        sub = self.meta.step.inputs[3]
         extent = self.extent | key_extent
-        batch = r.batch if set(sub) & set(r.batch) else ""
-        shape = [extent[c] for c in batch + r.rows + r.keys]
-        allowed = np.broadcast_to(_align(mask > 0, sub, batch + r.rows + r.keys), shape)
+        batch, rows, keys = self.groups[3]
+        shape = [extent[c] for c in batch + rows + keys]
+        allowed = np.broadcast_to(_align(mask > 0, sub, batch + rows + keys), shape)
         return allowed.reshape(prod(shape[: len(batch)]), prod(shape[len(batch):-1]), shape[-1])
 
     def finish(self, out: np.ndarray) -> None:
         """``out = acc / row sum`` (0 where the row sum is 0: every position masked), in the
         output's index order."""
-        r = self.meta.roles
         result = np.empty_like(self.acc)
         online_softmax.finish(self.row_sum, self.acc, result)
-        order = r.batch + r.rows + r.cols
+        order = "".join(self.groups[-1])
         extent = dict(zip(self.meta.step.output, out.shape))
         out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.step.output])
 

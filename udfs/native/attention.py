@@ -47,12 +47,9 @@ def plan(step: AttentionStep) -> tuple[np.ndarray, ...]:
     product, text = tables(step.out_dtype, list(step.inputs), list(step.names), dims, sources(step.inputs, step.output),
                            [], (0, 0, 0), 0, 0, len(step.inputs), len(index))
     masked = len(step.inputs) == 4
-    mask_batch = masked and bool(set(step.inputs[3]) & set(r.batch))
+    *targets, order = ("".join(groups) for groups in r.matrices(step.inputs[3] if masked else None))
+    mask_batch = masked and len(targets[3]) > len(r.rows + r.keys)
     roles = r.batch + r.rows + r.inner + r.keys + r.cols
-    targets = [r.batch + r.rows + r.inner, r.batch + r.keys + r.inner, r.batch + r.keys + r.cols]
-    if masked:
-        targets.append((r.batch if mask_batch else "") + r.rows + r.keys)
-    order = r.batch + r.rows + r.cols
     words = [int(np.float64(step.scale).view(np.int64)), *map(len, (r.batch, r.rows, r.inner, r.keys, r.cols)),
              int(masked), int(mask_batch), len(step.output), cores.MUTEX, *(index[c] for c in roles),
              *(w for sub, target in zip(step.inputs, targets) for c in target for w in (sub.find(c), roles.index(c))),
