@@ -1,11 +1,11 @@
 """``tra_attention_<n>``: ``softmax(scale * Q·K, mask) · V`` for one output tile per group.
 
 A group's joined rows are its key tiles: (Q, K_j, V_j[, mask_j]) for every tile ``j`` of the
-softmax index. The kernel views the tiles as stacks of matrices (``Roles``), computes the
-scores a few matrices at a time with BLAS, in blocks of query rows that skip the keys their
-mask hides, and folds them into a running row max, row sum and weighted sum of V (the online
-softmax of flash attention), so the scores never leave the kernel. Masked positions (mask
-not > 0) get weight 0, as in ``nn.softmax``; a row with every position masked gives 0.
+softmax index. The kernel views the tiles as stacks of matrices (``Roles``) and folds them
+into a running row max, row sum and weighted sum of V (the online softmax of flash attention,
+``online_softmax``: the body the native aggregate runs too), so the scores never leave the
+kernel. Masked positions (mask not > 0) get weight 0, as in ``nn.softmax``; a row with every
+position masked gives 0. ``Roles`` and ``AttentionMeta`` are the geometry both wrappers share.
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ from math import prod
 
 import numpy as np
 
+from tra_sql.udfs import cores, online_softmax
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
-from tra_sql.udfs.cores import all_cores
-from tra_sql.udfs.protocol import AttentionStep
+from tra_sql.udfs.protocol import FLOATS, AttentionStep
 from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import Operand, allocate_tiles, operand_tiles, out_view
-
-MASKED = -1e30  # a masked logit, as nn.MASKED
-CHUNK_ELEMENTS = 1 << 18  # scores computed per pass: a few (batch, head) pairs, so they stay in cache
-ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
 
 
 def _align(x: np.ndarray, sub: str, target: str) -> np.ndarray:
@@ -60,6 +56,17 @@ class Roles:
                 and all(set(m) <= set(roles.batch + roles.rows + softmax) for m in inputs[3:]))
         return roles if fits else None
 
+    def matrices(self, mask: str | None = None) -> tuple[tuple[str, ...], ...]:
+        """The groups of indices each operand's tile is viewed as (a matrix per group: Q
+        (batch, rows, inner), K (batch, keys, inner), V (batch, keys, cols), then the mask
+        (subscript ``mask``, if any) as (batch, rows, keys), its batch empty (broadcast) unless
+        it has batch indices) and the result's (batch, rows, cols)."""
+        groups = ((self.batch, self.rows, self.inner), (self.batch, self.keys, self.inner),
+                  (self.batch, self.keys, self.cols))
+        if mask is not None:
+            groups += ((self.batch if set(mask) & set(self.batch) else "", self.rows, self.keys),)
+        return (*groups, (self.batch, self.rows, self.cols))
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionMeta:
@@ -87,6 +94,12 @@ class AttentionMeta:
         return Roles.of(self.step.inputs, self.step.output, self.step.scores[-1])
 
 
+def native_attention(step: AttentionStep) -> bool:
+    """Whether the native attention aggregate (``native.attention``) computes ``step``: every
+    operand, the result and the probabilities of one float dtype."""
+    return step.out_dtype in FLOATS and set(step.dtypes) | {step.probs_dtype} == {step.out_dtype}
+
+
 def _matrices(x: np.ndarray, sub: str, *groups: str) -> np.ndarray:
     """``x`` with its indices in ``groups`` order, each group flattened to one axis."""
     order = "".join(groups)
@@ -94,84 +107,47 @@ def _matrices(x: np.ndarray, sub: str, *groups: str) -> np.ndarray:
     return x.transpose([sub.index(c) for c in order]).reshape([prod(extent[c] for c in g) for g in groups])
 
 
-def _blocks(allowed: np.ndarray | None, rows: int, keys: int):
-    """(query rows, keys) blocks to compute: ``ROW_BLOCK`` rows at a time, each with the span
-    of keys the mask allows any of them (causal: about half the scores); a block whose keys
-    are all masked is skipped."""
-    if allowed is None:
-        yield slice(0, rows), slice(0, keys)
-        return
-    any_batch = allowed.any(axis=0)
-    for start in range(0, rows, ROW_BLOCK):
-        span = np.flatnonzero(any_batch[start : start + ROW_BLOCK].any(axis=0))
-        if len(span):
-            yield slice(start, min(start + ROW_BLOCK, rows)), slice(int(span[0]), int(span[-1]) + 1)
-
-
 class OnlineSoftmax:
-    """The running state of one output tile, over (batch, rows) matrices: the row max, the
-    row sum and the weighted sum of V's rows."""
+    """The running state of one output tile (``online_softmax``: the row max, the row sum and
+    the weighted sum of V's rows), folded key tile by key tile."""
 
     def __init__(self, meta: AttentionMeta, q: np.ndarray):
         self.meta, r = meta, meta.roles
         self.extent = dict(zip(meta.step.inputs[0], q.shape))
         self.dtype = np.dtype(meta.step.probs_dtype)
-        self.q = _matrices(q, meta.step.inputs[0], r.batch, r.rows, r.inner).astype(self.dtype, copy=False)
-        self.row_max = np.full(self.q.shape[:2], MASKED, dtype=self.dtype)
+        self.groups = r.matrices(meta.step.inputs[3] if len(meta.step.inputs) == 4 else None)
+        self.q = np.ascontiguousarray(_matrices(q, meta.step.inputs[0], *self.groups[0]), dtype=self.dtype)
+        self.row_max = np.full(self.q.shape[:2], -np.inf, dtype=self.dtype)
         self.row_sum = np.zeros_like(self.row_max)
         self.acc: np.ndarray | None = None
 
     def add(self, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> None:
-        """Fold in one key tile, block by block (a few batch matrices at a time)."""
-        meta, r, q = self.meta, self.meta.roles, self.q
-        kt = np.ascontiguousarray(_matrices(k, meta.step.inputs[1], r.batch, r.keys, r.inner).transpose(0, 2, 1),
-                                  dtype=self.dtype)
-        v = _matrices(v, meta.step.inputs[2], r.batch, r.keys, r.cols)
+        """Fold in one key tile."""
+        meta = self.meta
+        km = np.ascontiguousarray(_matrices(k, meta.step.inputs[1], *self.groups[1]), dtype=self.dtype)
+        vm = np.ascontiguousarray(_matrices(v, meta.step.inputs[2], *self.groups[2]), dtype=self.dtype)
         if self.acc is None:
-            self.acc = np.zeros((*q.shape[:2], v.shape[2]), dtype=np.dtype(meta.step.out_dtype))
-        allowed = None if mask is None else self._allowed(mask, dict(zip(meta.step.inputs[1], k.shape)))
-        for rows, keys in _blocks(allowed, q.shape[1], kt.shape[2]):
-            step = max(1, CHUNK_ELEMENTS // ((rows.stop - rows.start) * (keys.stop - keys.start)))
-            for start in range(0, len(q), step):
-                self._fold(slice(start, start + step), rows, keys, kt, v, allowed)
-
-    def _fold(self, part: slice, rows: slice, keys: slice, kt: np.ndarray, v: np.ndarray,
-              allowed: np.ndarray | None) -> None:
-        """The scores of batch matrices ``part``, query ``rows`` and ``keys`` into the state."""
-        scores = np.matmul(self.q[part, rows], kt[part, :, keys])
-        scores *= self.meta.step.scale
-        if allowed is not None:
-            np.copyto(scores, MASKED, where=~allowed[part if len(allowed) > 1 else slice(0, 1), rows, keys])
-        top = np.maximum(scores.max(axis=-1), self.row_max[part, rows])
-        scores -= top[..., None]
-        weights = np.exp(scores, out=scores)
-        if allowed is not None:
-            dead = top == MASKED  # rows with every key masked so far: exp gave them 1s
-            if dead.any():
-                np.copyto(weights, 0, where=dead[..., None])
-        carry = np.exp(self.row_max[part, rows] - top)
-        self.row_sum[part, rows] = self.row_sum[part, rows] * carry + weights.sum(axis=-1)
-        acc = self.acc[part, rows]
-        acc *= carry[..., None]
-        acc += np.matmul(weights, v[part, keys])
-        self.row_max[part, rows] = top
+            self.acc = np.zeros((*self.q.shape[:2], vm.shape[2]), dtype=self.dtype)
+        allowed = np.zeros((1, 1, 1), np.uint8) if mask is None else \
+            np.ascontiguousarray(self._allowed(mask, dict(zip(meta.step.inputs[1], k.shape))), dtype=np.uint8)
+        online_softmax.fold(self.q, km, vm, allowed, mask is not None, meta.step.scale, self.row_max, self.row_sum,
+                            self.acc, cores.MUTEX)
 
     def _allowed(self, mask: np.ndarray, key_extent: dict[str, int]) -> np.ndarray:
         """Where the mask tile is > 0, as (batch or 1, rows, keys) matrices."""
-        r, sub = self.meta.roles, self.meta.step.inputs[3]
+        sub = self.meta.step.inputs[3]
         extent = self.extent | key_extent
-        batch = r.batch if set(sub) & set(r.batch) else ""
-        shape = [extent[c] for c in batch + r.rows + r.keys]
-        allowed = np.broadcast_to(_align(mask > 0, sub, batch + r.rows + r.keys), shape)
+        batch, rows, keys = self.groups[3]
+        shape = [extent[c] for c in batch + rows + keys]
+        allowed = np.broadcast_to(_align(mask > 0, sub, batch + rows + keys), shape)
         return allowed.reshape(prod(shape[: len(batch)]), prod(shape[len(batch):-1]), shape[-1])
 
     def finish(self, out: np.ndarray) -> None:
         """``out = acc / row sum`` (0 where the row sum is 0: every position masked), in the
         output's index order."""
-        r = self.meta.roles
-        result = np.divide(self.acc, self.row_sum[..., None], out=np.zeros_like(self.acc),
-                           where=self.row_sum[..., None] > 0)
-        order = r.batch + r.rows + r.cols
+        result = np.empty_like(self.acc)
+        online_softmax.finish(self.row_sum, self.acc, result)
+        order = "".join(self.groups[-1])
         extent = dict(zip(self.meta.step.output, out.shape))
         out[...] = result.reshape([extent[c] for c in order]).transpose([order.index(c) for c in self.meta.step.output])
 
@@ -186,11 +162,10 @@ def attention_groups(meta_col, out_keys_col, rows_col):
     group_offsets, rows = list_views(rows_col)
     tiles, _ = operand_tiles(meta.operands, rows.flatten(), np.arange(len(rows)), False)
     masked = len(meta.step.inputs) == 4
-    with all_cores():  # BLAS products of every head
-        for row in range(len(out_keys)):
-            first = group_offsets[row]
-            state = OnlineSoftmax(meta, tiles[0][first])
-            for e in range(first, group_offsets[row + 1]):
-                state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
-            state.finish(out_view(buf, offsets, row, shapes[row], meta.result.dtype))
+    for row in range(len(out_keys)):
+        first = group_offsets[row]
+        state = OnlineSoftmax(meta, tiles[0][first])
+        for e in range(first, group_offsets[row + 1]):
+            state.add(tiles[1][e], tiles[2][e], tiles[3][e] if masked else None)
+        state.finish(out_view(buf, offsets, row, shapes[row], meta.result.dtype))
     return binary_array(buf, offsets)

@@ -262,6 +262,14 @@ for _dtype in FLOATS:
     SIGNATURES[f"contract_agg_{_dtype}"] = Signature(lambda n, k: (META, KEYS, *_pairs(2)))
 
 
+#: the native attention aggregates ``attention_agg_<dtype>_<n>(meta, keys, keys0, tile0, ...,
+#: keys<n-1>, tile<n-1>)``: one output tile per group, each joined row (Q, K_j, V_j[, mask_j])
+#: folded into its online softmax (native where it can be; else a macro over
+#: ``tra_attention_<n>`` and ``ARRAY_AGG``)
+for _dtype in FLOATS:
+    SIGNATURES[f"attention_agg_{_dtype}"] = Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True)
+
+
 def declare(kind: str, signature: Signature) -> None:
     """A new kind of kernel (declared next to its kernel)."""
     if kind in SIGNATURES:
@@ -324,7 +332,9 @@ CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contracti
 
 #: kind -> the kinds DuckDB's dialect may write instead for the steps native loop kernels
 #: compute (a step with a prologue as a chain; an engine registers them with the kind)
-NATIVE_FORMS = {"einsum": ("loop", "loop_chain"), "chain": ("loop_chain",)}
+NATIVE_FORMS = {"einsum": ("loop", "loop_chain"), "chain": ("loop_chain",),
+                "attention": tuple(f"attention_agg_{dtype}" for dtype in FLOATS)}
+ATTENTIONS = tuple(f"attention_agg_{dtype}" for dtype in FLOATS)  # the kinds of the native attention aggregates
 
 
 def fused_contraction(dtype: str) -> Kernel | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import duckdb
 
 from tra_sql.udfs import attention, einsum_kernels, elements, pack, placement, sparse  # noqa: F401  (their kinds)
-from tra_sql.udfs.protocol import CONTRACT, CONTRACTIONS, REDUCTIONS, Kernel
+from tra_sql.udfs.protocol import ATTENTIONS, CONTRACT, CONTRACTIONS, REDUCTIONS, Kernel
 from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
 
@@ -32,7 +32,8 @@ def _with_arity(function, arity: int):
 def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
     """Register ``kernels`` (``protocol.Kernel``s) on ``con``; a whole-tile reduction as a macro
     over ``tra_reduce`` and ``ARRAY_AGG``, a fused contraction aggregate as one over
-    ``tra_reduce`` and ``ARRAY_AGG`` of ``tra_contract_2`` (registered with them)."""
+    ``tra_reduce`` and ``ARRAY_AGG`` of ``tra_contract_2`` (registered with them), a native
+    attention aggregate as one over ``tra_attention_<n>`` and ``ARRAY_AGG`` of its rows."""
     for kernel in kernels:
         if kernel in REDUCTIONS:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, tile) AS "
@@ -43,6 +44,12 @@ def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, {operands}) AS "
                         f"{Kernel('reduce').name}(meta, keys, ARRAY_AGG({CONTRACT.name}(meta, keys, {operands})))"
                         ).fetchall()
+            continue
+        if kernel.kind in ATTENTIONS:
+            operands = ", ".join(f"keys{m}, tile{m}" for m in range(kernel.arity))
+            rows = ", ".join(f"'keys{m}': keys{m}, 'tile{m}': tile{m}" for m in range(kernel.arity))
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, {operands}) AS "
+                        f"{Kernel('attention', kernel.arity).name}(meta, keys, ARRAY_AGG({{{rows}}}))").fetchall()
             continue
         params = kernel.params
         con.create_function(

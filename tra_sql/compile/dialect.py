@@ -9,6 +9,7 @@ from sqlglot import exp
 
 from tra_sql.compile import passes
 from tra_sql.compile.blocks import call, grouped, kernels_called
+from tra_sql.udfs.attention import native_attention
 from tra_sql.udfs.contract import gemm_form, native_chain, native_loop, prologue_chain
 from tra_sql.udfs.protocol import CONTRACT, NATIVE_FORMS, Kernel, fused_contraction, tile_reduction
 
@@ -78,9 +79,17 @@ class Dialect:
         their steps by name); ``tra_reduce(meta, keys,
         ARRAY_AGG(tile))`` without epilogue, over dense tiles, becomes the aggregate
         ``tra_reduce_<agg>_<dtype>(meta, keys, tile)`` (``protocol.TILE_REDUCTIONS``; native
-        on DuckDB: one tile of state per group, no list)."""
+        on DuckDB: one tile of state per group, no list); ``tra_attention_<n>(meta, keys,
+        ARRAY_AGG({keys0, tile0, ...}))`` of one float dtype becomes the aggregate
+        ``tra_attention_agg_<dtype>_<n>(meta, keys, keys0, tile0, ...)`` (``protocol.ATTENTIONS``;
+        native on DuckDB: each joined row folded into the group's online softmax, no list),
+        unless ``loops`` is switched off."""
         kernel, step = node.meta["kernel"], node.meta["step"]
         args = node.expressions
+        if "loops" in passes.enabled and kernel.kind == "attention" and native_attention(step) \
+                and isinstance(args[2], exp.ArrayAgg) and isinstance(args[2].this, exp.Struct):
+            fields = [f.expression.copy() for f in args[2].this.expressions]
+            return call(Kernel(f"attention_agg_{step.out_dtype}", kernel.arity), step, [args[1].copy(), *fields])
         if "loops" in passes.enabled and kernel.kind == "einsum" and step.prologue \
                 and (chain := prologue_chain(step)) is not None:
             return call(Kernel("loop_chain", kernel.arity), chain, [a.copy() for a in args[1:]])

@@ -63,6 +63,7 @@ SIGNATURES = {
     "duckdb_register_aggregate_function": "n p p",
     # what kernels call on DuckDB's threads
     "duckdb_data_chunk_get_size": "i p",
+    "duckdb_data_chunk_get_column_count": "i p",
     "duckdb_data_chunk_get_vector": "p p i",
     "duckdb_vector_get_data": "p p",
     "duckdb_vector_get_validity": "p p",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cfunc, njit, types
 
+from tra_sql.udfs.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.cores import lock, unlock
-from tra_sql.udfs.native.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import address, call3, i64
 from tra_sql.udfs.native.operands import HEADER, OPERAND, gemm_sizes, operands, out_bytes, plan_length

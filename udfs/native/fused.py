@@ -39,18 +39,23 @@ def extra_info(dtype: str, lookup: int) -> np.ndarray:
     return np.array([AGGS["sum"], DTYPES[dtype], lookup], dtype=np.int64)
 
 
+def error_record(err: Exception, what: str) -> np.ndarray:
+    """The record ``LOOKUP`` answers for a text that is not a step: a word 1, the length of an
+    error message about ``what``, then the message and a NUL."""
+    message = f"{ERROR_PREFIX}{type(err).__name__}: {what}: {err}".encode()
+    record = np.zeros(16 + len(message) + 1, dtype=np.uint8)
+    record[:16] = np.array([1, len(message)], dtype=np.int64).view(np.uint8)
+    record[16:16 + len(message)] = np.frombuffer(message, np.uint8)
+    return record
+
+
 def found(text: str) -> tuple[np.ndarray, ...]:
     """What ``LOOKUP`` answers for step text ``text`` (its first array's address): a word 0,
-    then the step's plan (the arrays after it: what the plan points to); or a word 1, the
-    length of an error message, then the message and a NUL."""
+    then the step's plan (the arrays after it: what the plan points to); or ``error_record``'s."""
     try:
         product, names = plan(EinsumStep.decode(text), product=True)
     except Exception as err:  # not a native product's step: the update reports it
-        message = f"{ERROR_PREFIX}{type(err).__name__}: the step of a fused contraction: {err}".encode()
-        record = np.zeros(16 + len(message) + 1, dtype=np.uint8)
-        record[:16] = np.array([1, len(message)], dtype=np.int64).view(np.uint8)
-        record[16:16 + len(message)] = np.frombuffer(message, np.uint8)
-        return (record,)
+        return (error_record(err, "the step of a fused contraction"),)
     return np.concatenate([np.zeros(1, np.int64), product]), names
 
 

@@ -21,10 +21,11 @@ import duckdb
 import numpy as np
 
 from tra_sql.errors import SpecError
-from tra_sql.udfs.native import blas, capi, loader
+from tra_sql.udfs import blas
+from tra_sql.udfs.native import capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
-from tra_sql.udfs.protocol import CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
+from tra_sql.udfs.protocol import ATTENTIONS, CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -112,7 +113,7 @@ class NativeKernels:
         # one bind callback per kind and the fused aggregates' plan lookup, kept alive while DuckDB may call them
         self._binds = {kind: _BIND(partial(self._bind_call, kind)) for kind in NATIVE}
         self._extra: dict[Kernel, np.ndarray] = {}  # the aggregates' extra info
-        self._lookup_callback = None
+        self._lookups: dict[str, object] = {}  # per aggregate family, its plan lookup callback
 
     @classmethod
     def attach(cls, con: duckdb.DuckDBPyConnection) -> NativeKernels | None:
@@ -130,7 +131,7 @@ class NativeKernels:
 
     @staticmethod
     def implements(kernel: Kernel) -> bool:
-        return kernel.kind in NATIVE or kernel in REDUCTIONS or kernel in CONTRACTIONS
+        return kernel.kind in NATIVE or kernel in REDUCTIONS or kernel in CONTRACTIONS or kernel.kind in ATTENTIONS
 
     def register(self, kernel: Kernel) -> None:
         """Register ``kernel`` (a kind of ``NATIVE``, a whole-tile reduction or a fused
@@ -140,6 +141,9 @@ class NativeKernels:
             return
         if kernel in CONTRACTIONS:
             self._register_contraction(kernel)
+            return
+        if kernel.kind in ATTENTIONS:
+            self._register_attention(kernel)
             return
         native = NATIVE[kernel.kind]
         function = CAPI.duckdb_create_scalar_function()
@@ -166,16 +170,32 @@ class NativeKernels:
         """The fused contraction aggregate of one dtype (``fused``)."""
         from tra_sql.udfs.native import fused  # compiled (or read from Numba's cache) when first registered
 
-        if self._lookup_callback is None:
-            self._lookup_callback = fused.LOOKUP(self._lookup)
-        lookup = ctypes.cast(self._lookup_callback, ctypes.c_void_p).value
+        lookup = self._lookup_address("contract_agg", fused.found)
         self._register_aggregate(kernel, fused.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))
 
-    def _register_aggregate(self, kernel: Kernel, update, extra: np.ndarray) -> None:
+    def _register_attention(self, kernel: Kernel) -> None:
+        """The native attention aggregate of one dtype and arity (``native.attention``)."""
+        from tra_sql.udfs.native import aggregate, attention, fused
+
+        lookup = self._lookup_address("attention_agg", attention.found)
+        self._register_aggregate(kernel, attention.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup),
+                                 (attention.COMBINE, attention.FINALIZE, aggregate.DESTROY))
+
+    def _lookup_address(self, family: str, found: Callable[[str], tuple[np.ndarray, ...]]) -> int:
+        """The address of ``family``'s plan lookup callback (``fused.LOOKUP``), made once."""
+        from tra_sql.udfs.native import fused
+
+        if family not in self._lookups:
+            self._lookups[family] = fused.LOOKUP(partial(self._lookup, family, found))
+        return ctypes.cast(self._lookups[family], ctypes.c_void_p).value
+
+    def _register_aggregate(self, kernel: Kernel, update, extra: np.ndarray, callbacks=None) -> None:
         """An aggregate function with a whole-tile sum's state (``aggregate``), ``update`` folding
-        rows into it and ``extra`` (kept while the database may call it) as its extra info."""
+        rows into it and ``extra`` (kept while the database may call it) as its extra info;
+        ``callbacks``: its own (combine, finalize, destructor) instead of the sum's."""
         from tra_sql.udfs.native import aggregate
 
+        combine, finalize, destroy = callbacks or (aggregate.COMBINE, aggregate.FINALIZE, aggregate.DESTROY)
         self._extra[kernel] = extra
         function = CAPI.duckdb_create_aggregate_function()
         try:
@@ -184,26 +204,24 @@ class NativeKernels:
                      CAPI.duckdb_aggregate_function_set_return_type)
             CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
             CAPI.duckdb_aggregate_function_set_functions(
-                function, *(c.address for c in (aggregate.STATE_SIZE, aggregate.INIT, update, aggregate.COMBINE,
-                                                 aggregate.FINALIZE)))
-            CAPI.duckdb_aggregate_function_set_destructor(function, aggregate.DESTROY.address)
+                function, *(c.address for c in (aggregate.STATE_SIZE, aggregate.INIT, update, combine, finalize)))
+            CAPI.duckdb_aggregate_function_set_destructor(function, destroy.address)
             CAPI.duckdb_aggregate_function_set_extra_info(function, extra.ctypes.data, None)
             if CAPI.duckdb_register_aggregate_function(self.connection, function) != 0:
                 raise RuntimeError(f"DuckDB refused native aggregate {kernel.name}")
         finally:
             CAPI.duckdb_destroy_aggregate_function(ctypes.byref(ctypes.c_void_p(function)))
 
-    def _lookup(self, at: int, length: int) -> int:
-        """The fused aggregates' callback (``fused.LOOKUP``): the address of the ``fused.found``
-        record of the step text at ``at``, built once per text (0 only if that fails)."""
+    def _lookup(self, family: str, found, at: int, length: int) -> int:
+        """The aggregates' callback (``fused.LOOKUP``): the address of the ``found`` record
+        (``fused.found``, ``attention.found``) of the step text at ``at``, built once per text
+        (0 only if that fails)."""
         try:
-            from tra_sql.udfs.native import fused
-
             text = ctypes.string_at(at, length).decode(errors="replace")
             with self._lock:
-                if ("contract_agg", text) not in self.plans:
-                    self.plans["contract_agg", text] = fused.found(text)
-                return self.plans["contract_agg", text][0].ctypes.data
+                if (family, text) not in self.plans:
+                    self.plans[family, text] = found(text)
+                return self.plans[family, text][0].ctypes.data
         except Exception:  # an exception must not cross into DuckDB
             return 0
 
