@@ -32,7 +32,7 @@ COUNTS: Counter = Counter()
 HEADER = """import numpy as np
 import tra_sql
 import tra_sql.graph, tra_sql.tensor
-from tra_sql import absent, nn
+from tra_sql import nn
 from tra_sql.catalog import TensorInfo, assemble
 from tra_sql.compile import program as compiled
 from tra_sql.train_step import compile_step, run_step
@@ -56,10 +56,12 @@ def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark c
         return frame.toArrow().drop_columns(["target"])
 
 def via_sql(t):  # tensor t through the SQL front end: its einsums nested einsum(...) calls, the rest stored first
-    complete = db.completeness()
-    def public(node):  # an einsum that einsum(...) builds as it is (autodiff's may select tiles by keys)
-        return (isinstance(node, tra_sql.graph.Einsum) and node.softmax is None
-                and absent.complete_operands(node, complete).operands == node.operands)
+    def public(node):  # an einsum that einsum(...) builds as it is (autodiff's may select tiles by keys, cast)
+        if not isinstance(node, tra_sql.graph.Einsum) or node.softmax is not None:
+            return False
+        operands = [tra_sql.tensor.Tensor(db, op) for op in node.operands]
+        built = db.einsum(str(node.spec), *operands, join=node.join, agg=node.agg).node
+        return built.dtype == node.dtype and built.operands == node.operands
     def text(node):
         if isinstance(node, tra_sql.graph.Source):
             return f'"{node.table}"'
