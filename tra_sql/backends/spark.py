@@ -69,8 +69,8 @@ PARTITIONS = "spark.sql.shuffle.partitions"
 CODEGEN_CACHE = 2048
 #: Settings every program's query runs under, below ``program_settings``: no whole-stage code
 #: generation. A step's operators see a few rows of tiles each, where interpreted evaluation
-#: costs nothing measurable, while whole-stage code is compiled per stage (206 of the GCN
-#: step's 341 classes): a program run once compiles 135 instead.
+#: costs nothing measurable, while whole-stage code is compiled per stage (~200 of the GCN
+#: step's ~340 classes): a program run once compiles ~140 instead.
 INTERPRETED = {"spark.sql.codegen.wholeStage": "false"}
 #: The bytes of rows in one Arrow batch to or from a Python worker: a program's batches hold a
 #: task's tile budget (``SparkEngine.budget``; at least one row), since Spark holds a batch's
