@@ -165,7 +165,8 @@ def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> dict:
     """Two epochs of a 2-layer GCN with Adam (tables ``adj`` and ``labels`` in ``db``; the
     adjacency in CSR blocks of ``block``²): the second epoch's ``seconds`` (its commit
     included) and ``window`` (its start and end, seconds since the Unix epoch), both
-    ``losses``, ``W1``, and the second epoch's (one step's) Spark ``jobs`` (0 on DuckDB)."""
+    ``losses``, ``W1``, and the second epoch's (one step's) Spark ``jobs`` and classes Spark's code
+    generator ``compiled`` in the driver's JVM (``spark_jobs.compiled``; 0 on DuckDB)."""
     from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
@@ -178,12 +179,14 @@ def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> dict:
     z = db.einsum("mc,c->mc", db.einsum("mn,nc->mc", a, db.einsum("nh,hc->nc", hid, p["W2"])), p["b2"],
                   join="x0 + x1")
     loss = cross_entropy(db, z, y, len(range(0, n, 10)))
-    ends = []  # each epoch's end and jobs so far, after its commit (History.seconds stops before the commit)
-    with spark_jobs.jobs(db.engine.spark) if db.engine.name == "spark" else nullcontext() as jobs:
+    spark = db.engine.name == "spark"
+    ends = []  # each epoch's end, jobs and compiled classes so far, after its commit (History.seconds stops before it)
+    with spark_jobs.jobs(db.engine.spark) if spark else nullcontext() as jobs:
         run = db.train(loss, list(p.values()), Adam(lr=0.01), 2, run="gcn", progress=False,
-                       on_epoch=lambda *_: ends.append((time.perf_counter(), time.time(), jobs.count if jobs else 0)))
+                       on_epoch=lambda *_: ends.append((time.perf_counter(), time.time(), jobs.count if jobs else 0,
+                                                        spark_jobs.compiled(db.engine.spark) if spark else 0)))
     return {"seconds": ends[1][0] - ends[0][0], "window": (ends[0][1], ends[1][1]), "losses": run.losses,
-            "W1": db.tensor("gW1").numpy(), "jobs": ends[1][2] - ends[0][2]}
+            "W1": db.tensor("gW1").numpy(), "jobs": ends[1][2] - ends[0][2], "compiled": ends[1][3] - ends[0][3]}
 
 
 def gcn_tables(duck, data) -> None:

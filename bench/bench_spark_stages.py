@@ -6,10 +6,14 @@ from the log (a profile, not a timing: run it on a quiet machine for times that 
     python bench/bench_spark_stages.py --adaptive             # under Spark's own settings
     python bench/bench_spark_stages.py --gcn 8192 81920 128 16 8 --block 2048
 
-Prints the epoch's seconds and Spark jobs, the physical operators of its queries (joins,
-exchanges, exchanges reused, Python UDF evaluations), and a table of its stages: tasks, wall
-time (submission to completion), the tasks' run and deserialization time, shuffle bytes, and
-the operators each stage runs (from the RDD scopes); then the totals.
+Prints the epoch's seconds, Spark jobs and classes compiled by Spark's code generator, where
+the epoch's wall time went (the driver before its job: views, checkpoints, planning; the job;
+the commit after it), the physical operators of its queries (joins, exchanges, exchanges
+reused, Python UDF evaluations), a table of its stages: tasks, wall time (submission to
+completion), the tasks' run, CPU and deserialization time, shuffle bytes, and the operators
+each stage runs (from the RDD scopes); then the totals and the Python workers' SQL metrics
+summed over the stages (their start, initialization, run and Python code time, data sent and
+returned).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from tra_sql.backends import transfer  # noqa: E402
 OPERATORS = ("SortMergeJoin", "ShuffledHashJoin", "BroadcastHashJoin", "BroadcastNestedLoopJoin",
              "CartesianProduct", "Exchange", "ReusedExchange", "BroadcastExchange", "ArrowEvalPython",
              "ArrowAggregatePython", "SortAggregate", "HashAggregate", "Sort ", "Scan parquet")
+#: The SQL metrics of Spark's Python UDF operators (``PythonSQLMetrics``), as the event log names them.
+PYTHON_METRICS = ("time to start Python workers", "time to initialize Python workers", "time to run Python workers",
+                  "time to execute Python code", "data sent to Python workers", "data returned from Python workers")
 
 
 def events(directory: Path) -> list[dict]:
@@ -61,28 +68,41 @@ def report(log: list[dict], window: tuple[float, float]) -> None:
     for e in log:
         if e["Event"] == "SparkListenerTaskEnd" and e["Stage ID"] in done:
             tasks.setdefault(e["Stage ID"], []).append(e["Task Metrics"])
+    if jobs:
+        start = min(j["Submission Time"] for j in jobs)
+        end = max(e["Completion Time"] for e in log if e["Event"] == "SparkListenerJobEnd"
+                  and e["Job ID"] in {j["Job ID"] for j in jobs})
+        print(f"wall: {(start - lo) / 1e3:.2f} s on the driver before the first job (views, checkpoints, planning), "
+              f"{(end - start) / 1e3:.2f} s from it to the last job's end, {(hi - end) / 1e3:.2f} s after (commit)")
     plans = [e["physicalPlanDescription"] for e in log if e["Event"].endswith("SparkListenerSQLExecutionStart")
              and lo <= e["time"] <= hi]
     ops = Counter({op.strip(): sum(p.count(f"{op}(") + p.count(f"{op} (") for p in plans) for op in OPERATORS})
     print(f"{len(jobs)} jobs, {len(done)} stages run ({len(stage_ids) - len(done)} skipped), "
           f"{len(plans)} SQL queries; operators in their plans: "
           + ", ".join(f"{k} {v}" for k, v in ops.items() if v))
-    print("\n| stage | tasks | wall ms | run ms | deserialize ms | shuffle read KB | shuffle write KB | operators |")
-    print("|---|---|---|---|---|---|---|---|")
-    total = Counter()
+    print("\n| stage | tasks | wall ms | run ms | CPU ms | deserialize ms | shuffle read KB | shuffle write KB | "
+          "operators |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    total, python = Counter(), Counter()
     for sid, info in sorted(done.items()):
         wall = info["Completion Time"] - info["Submission Time"]
         metrics = tasks.get(sid, [])
         run = sum(m["Executor Run Time"] for m in metrics)
+        cpu = sum(m["Executor CPU Time"] for m in metrics) / 1e6
         deser = sum(m["Executor Deserialize Time"] for m in metrics)
+        python.update({a["Name"]: float(a["Value"]) for a in info.get("Accumulables", [])
+                       if a.get("Name") in PYTHON_METRICS})
         read = sum(m["Shuffle Read Metrics"]["Remote Bytes Read"] + m["Shuffle Read Metrics"]["Local Bytes Read"]
                    for m in metrics) / 1e3
         wrote = sum(m["Shuffle Write Metrics"]["Shuffle Bytes Written"] for m in metrics) / 1e3
-        total.update(tasks=info["Number of Tasks"], wall=wall, run=run, deser=deser, read=read, wrote=wrote)
-        print(f"| {sid} | {info['Number of Tasks']} | {wall} | {run} | {deser} | {read:.0f} | {wrote:.0f} | "
-              f"{scopes(info)[:150]} |")
-    print(f"| all | {total['tasks']} | {total['wall']} | {total['run']} | {total['deser']} | {total['read']:.0f} | "
-          f"{total['wrote']:.0f} | |")
+        total.update(tasks=info["Number of Tasks"], wall=wall, run=run, cpu=cpu, deser=deser, read=read, wrote=wrote)
+        print(f"| {sid} | {info['Number of Tasks']} | {wall} | {run} | {cpu:.0f} | {deser} | {read:.0f} | "
+              f"{wrote:.0f} | {scopes(info)[:150]} |")
+    print(f"| all | {total['tasks']} | {total['wall']} | {total['run']} | {total['cpu']:.0f} | {total['deser']} | "
+          f"{total['read']:.0f} | {total['wrote']:.0f} | |")
+    print("\nPython workers (summed over tasks and UDF operators; a task's operators run at once): " + ", ".join(
+        f"{name} {python[name] / 1e6:.1f} MB" if name.startswith("data") else f"{name} {python[name] / 1e3:.2f} s"
+        for name in PYTHON_METRICS))
 
 
 def main() -> None:
@@ -114,7 +134,7 @@ def main() -> None:
         mode = "Spark's own settings" if args.adaptive else "one job per program"
         print(f"GCN {n} nodes, {e} edges, block {args.block}, local[2], {args.partitions} shuffle partitions, "
               f"{mode}: second epoch "
-              f"{epoch['seconds']:.2f} s, {epoch['jobs']} Spark jobs")
+              f"{epoch['seconds']:.2f} s, {epoch['jobs']} Spark jobs, {epoch['compiled']} classes compiled")
         report(events(Path(logs)), epoch["window"])
 
 

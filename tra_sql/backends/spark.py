@@ -59,6 +59,19 @@ TILE_COPIES = 16
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false", "spark.sql.unionOutputPartitioning": "false"}
 PARTITIONS = "spark.sql.shuffle.partitions"
+#: Generated classes Spark keeps (``spark.sql.codegen.cache.maxEntries``, a static setting:
+#: the session's start): Spark compiles Java for each operator and expression of a query, and
+#: one GCN training step needs ~340 classes. Spark's default cache of 100 evicted them before
+#: the next step asked for the same ones, so every step compiled them all again (~20 ms each
+#: in Janino on the driver and on every executor, 6-9 s of CPU per step on ``local[2]``;
+#: ``bench/bench_spark_stages.py`` counts them). With room for them, steps after the first
+#: compile none.
+CODEGEN_CACHE = 2048
+#: Settings every program's query runs under, below ``program_settings``: no whole-stage code
+#: generation. A step's operators see a few rows of tiles each, where interpreted evaluation
+#: costs nothing measurable, while whole-stage code is compiled per stage (~200 of the GCN
+#: step's ~340 classes): a program run once compiles ~140 instead.
+INTERPRETED = {"spark.sql.codegen.wholeStage": "false"}
 #: The bytes of rows in one Arrow batch to or from a Python worker: a program's batches hold a
 #: task's tile budget (``SparkEngine.budget``; at least one row), since Spark holds a batch's
 #: rows several times over in the heap (the queue of rows awaiting their results, their
@@ -100,6 +113,7 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
         # collect_list of tiles: sort-based aggregation holds one group at a time and spills;
         # the hash aggregate holds every group's list at once and runs out of heap on MB tiles
         "spark.sql.execution.useObjectHashAggregateExec": "false",
+        "spark.sql.codegen.cache.maxEntries": str(CODEGEN_CACHE),
     }
     if executor_cores is not None:
         settings["spark.executor.cores"] = str(executor_cores)
@@ -234,8 +248,8 @@ class SparkEngine(Engine):
 
     def query_settings(self) -> dict[str, str]:
         """The SQL settings a program's or a relation's query runs under: ``program_settings``
-        over Arrow batches of a task's tile budget (``BATCH_BYTES``)."""
-        return {BATCH_BYTES: str(max(1, int(self.budget()[1]))), **self.program_settings}
+        over Arrow batches of a task's tile budget (``BATCH_BYTES``) and ``INTERPRETED``."""
+        return {BATCH_BYTES: str(max(1, int(self.budget()[1]))), **INTERPRETED, **self.program_settings}
 
     def shuffle_partitions(self, nbytes: int) -> int:
         """Partitions of every shuffle of a program whose largest relation holds ``nbytes``,

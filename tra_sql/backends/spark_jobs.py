@@ -1,5 +1,6 @@
 """Counting the Spark jobs that a block of driver code launches (``jobs``): the benchmark's
-"jobs per step" and the tests that bound it. Job counts are deterministic, unlike times.
+"jobs per step" and the tests that bound it. Job counts are deterministic, unlike times, and
+so are the classes Spark's code generator compiles (``compiled``).
 ``adaptive`` runs a block's programs under Spark's own settings (a job per shuffle stage)
 instead of one Spark job each (``spark.ONE_JOB``, the default)."""
 
@@ -50,3 +51,11 @@ def jobs(spark) -> Iterator[Jobs]:
         yield Jobs(sc, sc.getLocalProperty(GROUP))
     finally:
         sc.setLocalProperty(GROUP, before)
+
+
+def compiled(spark) -> int:
+    """Classes Spark's code generator has compiled in the driver's JVM so far (its
+    ``CodegenMetrics``; in local mode the tasks run there too): a program run again with its
+    classes still cached (``spark.CODEGEN_CACHE``) adds none."""
+    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics
+    return int(metrics.METRIC_COMPILATION_TIME().getCount())
