@@ -1,7 +1,9 @@
 """Per-process costs, each measured in a fresh Python process:
 
 - the first einsum in a new process, with a cold and with a warm Numba kernel cache
-  (the difference is the JIT cost; warm is what users see after the first run);
+  (the difference is the JIT cost; warm is what users see after the first run), and what the
+  required dependencies cost alone (their imports, and loading one trivial cached Numba
+  ``cfunc``, as native kernels must);
 - peak resident memory (RSS) of a 4096² float32 matmul through tra_sql against numpy's.
 
     python bench/bench_process.py
@@ -34,6 +36,23 @@ FIRST_EINSUM = textwrap.dedent("""
     print(json.dumps({"import": imported - start, "first_einsum": end - imported, "total": end - start}))
 """)
 
+DEPENDENCIES = textwrap.dedent("""
+    import json, time
+    start = time.perf_counter()
+    import numpy, duckdb, pyarrow, sqlglot
+    imported = time.perf_counter()
+    import numba
+    numba_imported = time.perf_counter()
+
+    @numba.cfunc(numba.types.int64(numba.types.int64), cache=True)
+    def increment(x):
+        return x + 1
+
+    end = time.perf_counter()
+    print(json.dumps({"others": imported - start, "numba": numba_imported - imported, "cfunc": end - numba_imported,
+                      "total": end - start}))
+""")
+
 PEAK_RSS = textwrap.dedent("""
     import json, resource, sys
     import numpy as np
@@ -60,6 +79,17 @@ def run(script: str, *args: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def dependencies() -> dict:
+    """``DEPENDENCIES`` in a new process, its cfunc already in Numba's cache (a file's: a
+    script given with ``-c`` has none)."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "dependencies.py"
+        script.write_text(DEPENDENCIES)
+        for _ in range(2):  # the first run compiles and caches the cfunc
+            out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     import os
 
@@ -74,6 +104,10 @@ def main() -> None:
             warm = run(FIRST_EINSUM, kind, env=env)
         for cache_state, r in (("cold cache, includes JIT", cold), ("warm cache", warm)):
             print(f"| {label}, {cache_state} | {r['import']:.2f} | {r['first_einsum']:.2f} | {r['total']:.2f} |")
+    deps = dependencies()
+    imports = deps["others"] + deps["numba"]
+    print(f"| the dependencies alone: numpy, duckdb, pyarrow, sqlglot {deps['others']:.2f} s, numba "
+          f"{deps['numba']:.2f} s, then one cached cfunc | {imports:.2f} | {deps['cfunc']:.2f} | {deps['total']:.2f} |")
     print()
     numpy_rss, tra_rss = run(PEAK_RSS, "numpy"), run(PEAK_RSS, "tra_sql")
     print("| 4096² float32 matmul | peak RSS MB | ratio to numpy |")
