@@ -17,7 +17,7 @@ from tra_sql.compile import passes
 from tra_sql.compile.dialect import DUCKDB
 from tra_sql.compile.program import Program
 from tra_sql.errors import CorruptTileError
-from tra_sql.udfs import cores, online_softmax
+from tra_sql.udfs import blas, cores, online_softmax
 from tra_sql.udfs.native import loader
 from tra_sql.udfs.protocol import Kernel
 
@@ -121,6 +121,18 @@ def test_the_arrow_udf_when_native_attention_is_switched_off(native):
     assert "TRA_ATTENTION_3(" in sql and "TRA_ATTENTION_AGG" not in sql
     np.testing.assert_allclose(out.numpy(), off, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(off, reference(*arrays, np.ones((5, 7), bool), 0.5), rtol=1e-10, atol=1e-10)
+
+
+def test_without_numpys_openblas_the_attention_runs_unfused(native, monkeypatch):
+    """The kernel's body calls NumPy's bundled OpenBLAS; a NumPy built on another BLAS has none
+    (``blas.FOUND`` false), and then the compiler leaves the attention's einsums unfused."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(shape) for shape in [(1, 5, 2, 3), (1, 7, 2, 3), (1, 7, 2, 4)]]
+    out = attention(native, "u", arrays, [(1, 5, 2, 3), (1, 3, 2, 3), (1, 3, 2, 4)], 0.5)
+    assert "TRA_ATTENTION" in out.sql()
+    monkeypatch.setattr(blas, "FOUND", False)
+    assert "TRA_ATTENTION" not in out.sql()
+    np.testing.assert_allclose(out.numpy(), reference(*arrays, np.ones((5, 7), bool), 0.5), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -14,6 +14,7 @@ from tra_sql.compile.blocks import array, call, select_keys
 from tra_sql.compile.lowering import LOWERING, Relations
 from tra_sql.compile.passes import Fused, plain, replaced
 from tra_sql.graph import Einsum, Node
+from tra_sql.udfs import blas
 from tra_sql.udfs.attention import Roles
 from tra_sql.udfs.protocol import AttentionStep, Kernel
 
@@ -78,7 +79,11 @@ def attention_parts(node: Node, consumers: Counter) -> Attention | None:
 
 
 def fuse_attention(steps: list[Node], consumers: Counter) -> list[Node]:
-    """The pass: every attention among ``steps`` one ``Attention`` step."""
+    """The pass: every attention among ``steps`` one ``Attention`` step. None without NumPy's
+    bundled OpenBLAS (``blas.FOUND``; a NumPy built on another BLAS), whose ``?gemm`` the
+    kernel's body calls: the einsums then run unfused."""
+    if not blas.FOUND:
+        return steps
     mine = plain(steps)
     fused = {id(step): att for step in steps if id(step) in mine and (att := attention_parts(step, consumers))}
     return replaced(steps, fused)
