@@ -22,9 +22,9 @@ from tra_sql.udfs import cores, online_softmax
 from tra_sql.udfs.attention import AttentionMeta, native_attention
 from tra_sql.udfs.native.aggregate import corrupt, malloc
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.fused import EXTRA, error_record
-from tra_sql.udfs.native.memory import address, blob, call2, i64, u8, u64, valid
-from tra_sql.udfs.native.operands import HEADER, OPERAND, indices, operands, plan_length, set_error, sources, tables
+from tra_sql.udfs.native.fused import EXTRA, error_record, step_plan, step_text
+from tra_sql.udfs.native.memory import address, i64, u8, u64
+from tra_sql.udfs.native.operands import HEADER, OPERAND, indices, operands, plan_length, sources, tables
 from tra_sql.udfs.protocol import AttentionStep
 
 # geometry: its length, scale (float64 bits), the letters per role (batch, rows, inner, keys,
@@ -34,6 +34,7 @@ from tra_sql.udfs.protocol import AttentionStep
 # dimension in the operand (-1: broadcast) and position in role order; then per output
 # dimension its letter's position in batch rows cols
 GEOMETRY = 11
+ATTENTION = np.frombuffer(b"a native attention", np.uint8)  # the function, in its errors
 STATE_HEADER = 5
 
 
@@ -208,24 +209,14 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
     plan_at = np.uint64(0)
     tiles, extents, seen = np.empty(4, np.uint64), np.empty(0, np.int64), np.empty(0, np.int64)
     for row in range(rows):
-        if not valid(validity, row):
-            corrupt(info, np.frombuffer(b"the step of a native attention is NULL", np.uint8))
+        at, length = step_text(info, texts, validity, row, ATTENTION)
+        if length < 0:
             return
-        at, length = blob(texts, row)
         if at != text_at or length != text_length:  # a new step text: its record from the binding
-            record = call2(np.uint64(extra[2]), at, np.uint64(length))
-            if record == 0:
-                corrupt(info, np.frombuffer(b"no plan for the step of a native attention", np.uint8))
+            plan_at = step_plan(info, extra, at, length, ATTENTION)
+            if plan_at == 0:
                 return
-            if i64(record, 1)[0] != 0:
-                set_error(info, True, u8(record + np.uint64(16), i64(record, 2)[1] + 1))
-                return
-            plan_at = record + np.uint64(8)
             head = i64(plan_at, HEADER)
-            if head[0] != extra[1]:
-                corrupt(info, np.frombuffer(b"the step of a native attention has another dtype than the function",
-                                            np.uint8))
-                return
             if head[2] != C.duckdb_data_chunk_get_column_count(chunk) // 2 - 1:
                 corrupt(info, np.frombuffer(b"the step of a native attention has another number of operands "
                                             b"than the function", np.uint8))

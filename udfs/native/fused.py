@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-from numba import cfunc, types
+from numba import cfunc, njit, types
 
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
@@ -30,6 +30,7 @@ from tra_sql.udfs.native.operands import HEADER, gemm_sizes, operands, plan, pla
 from tra_sql.udfs.protocol import EinsumStep
 
 LOOKUP = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
+FUSED = np.frombuffer(b"a fused contraction", np.uint8)  # the function, in its errors
 EXTRA = 3  # words of a function's extra info: fold (sum), dtype code, the LOOKUP callback's address
 
 
@@ -59,6 +60,40 @@ def found(text: str) -> tuple[np.ndarray, ...]:
     return np.concatenate([np.zeros(1, np.int64), product]), names
 
 
+@njit(cache=True)
+def _say(start, noun, end):
+    return np.concatenate((np.frombuffer(start, np.uint8), noun, np.frombuffer(end, np.uint8)))
+
+
+@njit(cache=True)
+def step_text(info, texts, validity, row, noun):
+    """(address, length) of row ``row``'s step text; length -1 after reporting a NULL step
+    (``noun`` names the function, as bytes: ``FUSED``)."""
+    if not valid(validity, row):
+        corrupt(info, _say(b"the step of ", noun, b" is NULL"))
+        return np.uint64(0), np.int64(-1)
+    return blob(texts, row)
+
+
+@njit(cache=True)
+def step_plan(info, extra, at, length, noun):
+    """The address of the plan the binding keeps for the step text at ``at`` (``length``
+    bytes; the ``LOOKUP`` callback of the function's extra info ``extra`` answers a ``found``
+    record), checked to be of the function's dtype; 0 after reporting why there is none."""
+    record = call2(np.uint64(extra[2]), at, np.uint64(length))
+    if record == 0:  # the callback failed (it answers every text otherwise)
+        corrupt(info, _say(b"no plan for the step of ", noun, b""))
+        return np.uint64(0)
+    if i64(record, 1)[0] != 0:
+        set_error(info, True, u8(record + np.uint64(16), i64(record, 2)[1] + 1))
+        return np.uint64(0)
+    plan_at = record + np.uint64(8)
+    if i64(plan_at, HEADER)[0] != extra[1]:
+        corrupt(info, _say(b"the step of ", noun, b" has another dtype than the function"))
+        return np.uint64(0)
+    return plan_at
+
+
 @cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
@@ -72,25 +107,14 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
     tiles, extents, seen = np.empty(2, np.uint64), np.empty(0, np.int64), np.empty(0, np.int64)
     sizes = np.empty(4, np.int64)
     for row in range(rows):
-        if not valid(validity, row):
-            corrupt(info, np.frombuffer(b"the step of a fused contraction is NULL", np.uint8))
+        at, length = step_text(info, texts, validity, row, FUSED)
+        if length < 0:
             return
-        at, length = blob(texts, row)
         if at != text_at or length != text_length:  # a new step text: its plan from the binding
-            record = call2(np.uint64(extra[2]), at, np.uint64(length))
-            if record == 0:  # the callback failed (it answers every text otherwise)
-                corrupt(info, np.frombuffer(b"no plan for the step of a fused contraction", np.uint8))
+            plan_at = step_plan(info, extra, at, length, FUSED)
+            if plan_at == 0:
                 return
-            if i64(record, 1)[0] != 0:
-                size = i64(record, 2)[1]
-                set_error(info, True, u8(record + np.uint64(16), size + 1))
-                return
-            plan_at = record + np.uint64(8)
             head = i64(plan_at, HEADER)
-            if head[0] != extra[1]:
-                corrupt(info, np.frombuffer(b"the step of a fused contraction has another dtype than the function",
-                                            np.uint8))
-                return
             extents, seen = np.empty(max(head[13], 1), np.int64), np.empty(2 * head[14], np.int64)
             text_at, text_length = at, length
         steps_plan = i64(plan_at, plan_length(i64(plan_at, HEADER)))
