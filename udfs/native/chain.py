@@ -27,6 +27,7 @@ from tra_sql.udfs.native.operands import (
     OPERAND,
     code,
     dimensions,
+    fold_dim,
     indices,
     operands,
     plan_length,
@@ -108,9 +109,7 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
                 for j in range(2):
                     first = plan[r + 9 + 3 * j]
                     for d in range(plan[r + 8 + 3 * j]):
-                        group = plan[groups + first + d]
-                        if j == 0 or group == 1:
-                            sizes[group if j == 0 else 3] *= step_extents[first + d]
+                        fold_dim(sizes, j, plan[groups + first + d], step_extents[first + d])
                 lock(np.uint64(plan[5]))  # BLAS uses every core: one product at a time
                 gemm(plan, plan[r + 1: r + 4], step_tiles[0], step_tiles[1], results[k], sizes[0], sizes[1], sizes[3],
                      sizes[2], 0.0)

@@ -263,9 +263,18 @@ def gemm_sizes(plan, extents, sizes) -> None:
     for m in range(2):
         first = plan[HEADER + OPERAND * m + 1]
         for d in range(plan[HEADER + OPERAND * m]):
-            group = plan[dims + DIM * (first + d) + 3]
-            if m == 0 or group == 1:
-                sizes[group if m == 0 else 3] *= extents[first + d]
+            fold_dim(sizes, m, plan[dims + DIM * (first + d) + 3], extents[first + d])
+
+
+@njit(cache=True)
+def fold_dim(sizes, operand, group, extent) -> None:
+    """Fold one dimension of BLAS operand ``operand`` (0: A, 1: B), in BLAS group ``group`` (0
+    batch, 1 free, 2 contracted), into ``sizes`` = (batch, m, k, n): A's dimensions give batch,
+    m and k, B's free ones n."""
+    if operand == 0:
+        sizes[group] *= extent
+    elif group == 1:
+        sizes[3] *= extent
 
 
 @njit(cache=True)
