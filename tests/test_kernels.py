@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from tra_sql.udfs import codegen
 from tra_sql.udfs.codegen import canonical, kernel_source
 from tra_sql.udfs.contract import TileEinsum
 from tra_sql.udfs.cores import all_cores
@@ -176,3 +177,15 @@ def test_a_registration_failing_part_way_keeps_the_kernels_registered_before_it(
         x = np.arange(6.0).reshape(2, 3)
         got = db.einsum("ij,jk->ik", db.from_numpy("x", x), db.from_numpy("y", x.T), join="x0 * x1 + 0 * x0")
         np.testing.assert_allclose(got.numpy(), x @ x.T)
+
+
+def test_generated_modules_are_not_reused_under_other_kernel_sources(monkeypatch):
+    """Numba checks only a cached function's own file: a generated module's name holds a digest
+    of the kernel sources, so a kernel compiled against an older tra_sql's functions is not
+    loaded by a newer one."""
+    source = "VALUE = 1\n"
+    here = codegen.load_module(source, "tra_test")
+    assert codegen.load_module(source, "tra_test") is here
+    monkeypatch.setattr(codegen, "kernel_sources", lambda: b"other kernel sources")
+    other = codegen.load_module(source, "tra_test")
+    assert other is not here and other.__name__ != here.__name__ and other.VALUE == 1

@@ -141,11 +141,23 @@ def _load(inputs: tuple[str, ...], output: str, join_code: str, agg: str, parall
     return load_module(kernel_source(inputs, output, join_code, agg, parallel, sparse, assign), "tra_kernel").kernel
 
 
+@cache
+def kernel_sources() -> bytes:
+    """A digest of tra_sql's kernel sources (the ``udfs`` package). Numba checks only a cached
+    function's own file, while the functions it calls are compiled into it: a module generated
+    under other kernel sources (an older tra_sql) must not be reused, so its name holds this."""
+    digest = hashlib.sha1()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.digest()
+
+
 def load_module(source: str, prefix: str):
     """The module of generated ``source``, written once as ``<prefix>_<digest>.py`` in the
     kernel cache directory (Numba caches the machine code of its functions beside it) and
-    imported under that name (callers hold a lock: the first import compiles)."""
-    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    imported under that name (callers hold a lock: the first import compiles). The digest is
+    of ``source`` and of the kernel sources it was generated under (``kernel_sources``)."""
+    digest = hashlib.sha1(kernel_sources() + source.encode()).hexdigest()[:16]
     module_name = f"{prefix}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]

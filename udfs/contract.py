@@ -82,16 +82,20 @@ def _dense(step, dtype: str) -> bool:
 
 
 def native_loop(step) -> bool:
-    """Whether a native per-row kernel computes the ``protocol.EinsumStep`` ``step``: dense
-    tiles of one float dtype, no prologue, its result either the BLAS product ``gemm_form``
-    reads as stored or a generated loop kernel's (not a product BLAS reads only after a copy:
-    ``TileEinsum`` runs those through ``np.matmul``), then an element-wise epilogue over dense
-    tiles of that dtype, if any."""
+    """Whether a native per-row kernel computes the ``protocol.EinsumStep`` ``step``: tiles of
+    one float dtype, no prologue, its result the BLAS product ``gemm_form`` reads as stored, a
+    CSR tile's product with a dense one that ``sparse.native_product`` accepts, or (dense tiles
+    only) a generated loop kernel's (not a product BLAS reads only after a copy: ``TileEinsum``
+    runs those through ``np.matmul``); then an element-wise epilogue over dense tiles of that
+    dtype, if any."""
     inner = replace(step, epilogue=None)
-    if step.out_dtype not in FLOATS or not _dense(step, step.out_dtype):
+    if step.out_dtype not in FLOATS:
         return False
-    if gemm_form(inner) is None and step.join is None and step.agg == "sum" \
-            and blas_groups(step.inputs, step.output) is not None:
+    if sparse.native_product(inner) is not None:
+        if set(step.dtypes) != {step.out_dtype}:
+            return False
+    elif not _dense(step, step.out_dtype) or gemm_form(inner) is None and step.join is None \
+            and step.agg == "sum" and blas_groups(step.inputs, step.output) is not None:
         return False
     after = step.epilogue
     return after is None or (_dense(after, step.out_dtype) and after.epilogue is None

@@ -160,6 +160,25 @@ def _product_layout(inputs: tuple[str, ...], output: str, position: int):
     return None
 
 
+def native_product(step) -> tuple[int, bool] | None:
+    """(the CSR operand's position, whether its column index is the one kept) of a
+    ``protocol.EinsumStep`` that the native kernel's CSR bodies compute (``native.sparse``): a
+    sum of products of one CSR tile and one dense tile (``_product_layout``) whose dense operand
+    is subscripted (contracted, rest...) and whose dense result (kept, rest...), so that the
+    kernel reads and writes them as stored; else None (the Arrow UDF computes it)."""
+    if step.join is not None or step.agg != "sum" or len(step.inputs) != 2 or step.prologue \
+            or step.out_layout != "dense" or tuple(sorted(step.layouts)) != ("csr", "dense"):
+        return None
+    position = step.layouts.index("csr")
+    layout = _product_layout(step.inputs, step.output, position)
+    if layout is None:
+        return None
+    kept, contracted, rest = layout
+    if step.inputs[1 - position] != contracted + "".join(rest) or step.output != kept + "".join(rest):
+        return None
+    return position, step.inputs[position][1] == kept
+
+
 def same_entries(a: CSRTile, b: CSRTile) -> bool:
     return a.shape == b.shape and np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
 

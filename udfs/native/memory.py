@@ -54,6 +54,7 @@ _BYTES = _pointer_to(types.uint8)
 _INT64 = _pointer_to(types.int64)
 _UINT64 = _pointer_to(types.uint64)
 _UINT32 = _pointer_to(types.uint32)
+_INT32 = _pointer_to(types.int32)
 _FLOAT32 = _pointer_to(types.float32)
 _FLOAT64 = _pointer_to(types.float64)
 
@@ -72,6 +73,11 @@ def i64(at, n):
 @njit(cache=True)
 def u64(at, n):
     return carray(_UINT64(at), (n,))
+
+
+@njit(cache=True)
+def i32(at, n):
+    return carray(_INT32(at), (n,))
 
 
 @njit(cache=True)

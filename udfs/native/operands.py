@@ -15,12 +15,14 @@ from dataclasses import replace
 import numpy as np
 from numba import njit
 
-from tra_sql.udfs import cores
+from tra_sql.udfs import cores, sparse
 from tra_sql.udfs.contract import gemm_form, native_loop
 from tra_sql.udfs.expr import join_code
 from tra_sql.udfs.native import loops
+from tra_sql.udfs.native import sparse as native_sparse
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import CORRUPT, blob, i64, put_int, put_text, u8, u64, valid
+from tra_sql.udfs.native.sparse import csr_tile
 from tra_sql.udfs.protocol import EinsumStep
 
 # header: dtype code (0 float32, 1 float64), itemsize, operands (the step's, then its
@@ -28,10 +30,11 @@ from tra_sql.udfs.protocol import EinsumStep
 # the dtype's name), the kernels' mutex (``cores``), trans_a, trans_b, swap (a BLAS product),
 # the step's loop body and the epilogue's (``loops``; 0: the BLAS product, no epilogue), the
 # output's rank, the epilogue's operands, dimensions, indices, (offset, length) of the dtype's
-# name; then per operand (rank, its first dimension, offset and length of its name); per
+# name, the CSR operand (``native.sparse``; -1: none); then per operand (rank, its first
+# dimension, offset and length of its name); per
 # output dimension the dimension its extent is read from; per epilogue operand the operand
 # it is (-1: the step's result); per dimension (size, tile, index, BLAS group)
-HEADER = 17
+HEADER = 18
 OPERAND = 4
 DIM = 4
 MESSAGE = 512
@@ -45,6 +48,7 @@ def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarra
     form = gemm_form(replace(step, epilogue=None))
     if form is None and not native_loop(step):
         raise ValueError(f"{step.inputs}->{step.output} is not a native product or loop")
+    csr = sparse.native_product(replace(step, epilogue=None))
     after = step.epilogue
     index = indices(step.inputs, step.output)
     subs, names = list(step.inputs), list(step.names)
@@ -59,10 +63,13 @@ def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarra
                 names.append(after.names[j])
                 dims += [(after.sizes[c], after.tiles[c], index[ours[c]], 0) for c in sub]
     blas = (form.trans_a, form.trans_b, form.swap) if form else (0, 0, 0)
-    body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
+    if csr is not None:
+        body = native_sparse.body(*csr, len(step.inputs[1 - csr[0]]), step.out_dtype)
+    else:
+        body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
     epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype) if after else 0
     return tables(step.out_dtype, subs, names, dims, sources(step.inputs, step.output), slots, blas, body, epilogue,
-                  len(step.inputs), len(index))
+                  len(step.inputs), len(index), -1 if csr is None else csr[0])
 
 
 def code(step: EinsumStep) -> str:
@@ -93,7 +100,7 @@ def sources(inputs, output: str) -> list[int]:
 
 
 def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue: int, own: int,
-           count: int) -> tuple[np.ndarray, np.ndarray]:
+           count: int, csr: int = -1) -> tuple[np.ndarray, np.ndarray]:
     """The plan (see the layout above) and its text."""
     words = [name.encode() for name in names] + [dtype.encode()]
     text = np.frombuffer(b"".join(words) + b"\x00", dtype=np.uint8).copy()
@@ -101,7 +108,7 @@ def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue:
     firsts = np.cumsum([0] + [len(sub) for sub in subs])
     header = [0 if dtype == "float32" else 1, np.dtype(dtype).itemsize, len(subs), own, text.ctypes.data,
               cores.MUTEX, *blas, body, epilogue, len(out), len(slots), len(dims), count, int(starts[-2]),
-              len(words[-1])]
+              len(words[-1]), csr]
     for m, sub in enumerate(subs):
         header += [len(sub), int(firsts[m]), int(starts[m]), len(words[m])]
     return np.array(header + list(out) + list(slots) + [v for dim in dims for v in dim], dtype=np.int64), text
@@ -147,8 +154,8 @@ def _name(plan, text, m):
 def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents, other):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
     ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
-    tensor's grid (2), NULL keys (3), or an extent of an index it shares with operand
-    ``other``'s tile other than that tile's (4)."""
+    tensor's grid (2), NULL keys (3), an extent of an index it shares with operand
+    ``other``'s tile other than that tile's (4), or is not a CSR tile of its extents (5)."""
     text = u8(plan[4], plan[15] + plan[16] + 1)
     out = np.zeros(MESSAGE, np.uint8)
     at = put_text(out, 0, CORRUPT)
@@ -169,6 +176,14 @@ def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents,
         at = put_text(out, at, np.frombuffer(b"' differs in a shared index's extent from the tile of '", np.uint8))
         at = put_text(out, at, _name(plan, text, other))
         at = put_text(out, at, np.frombuffer(b"' joined with it", np.uint8))
+    elif what == 5:
+        at = put_text(out, at, np.frombuffer(b"' is not a CSR tile of shape (", np.uint8))
+        at = _put_ints(out, at, extents, rank)
+        at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
+        at = put_text(out, at, text[plan[15]: plan[15] + plan[16]])
+        at = put_text(out, at, np.frombuffer(b" (", np.uint8))
+        at = put_int(out, at, held)
+        at = put_text(out, at, np.frombuffer(b" bytes)", np.uint8))
     else:
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
@@ -225,7 +240,11 @@ def _operand(info, aggregate, plan, m, chunk, row, extents) -> np.uint64:
         _report(info, aggregate, plan, m, keys, rank, 0, 0, need, extents[first:], 0)
         return np.uint64(0)
     at, held = blob(C.duckdb_vector_get_data(tiles_vec), row)
-    if held != need:
+    if m == plan[17]:
+        if not csr_tile(at, held, extents[first], extents[first + 1], plan[1]):
+            _report(info, aggregate, plan, m, keys, rank, 5, held, need, extents[first:], 0)
+            return np.uint64(0)
+    elif held != need:
         _report(info, aggregate, plan, m, keys, rank, 1, held, need, extents[first:], 0)
         return np.uint64(0)
     return at
