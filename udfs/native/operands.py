@@ -151,6 +151,14 @@ def _name(plan, text, m):
 
 
 @njit(cache=True)
+def _put_shape(out, at, plan, text, extents, rank):
+    """A tile's ``extents`` and the step's dtype (``a, b) and dtype float32``); the position after."""
+    at = _put_ints(out, at, extents, rank)
+    at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
+    return put_text(out, at, text[plan[15]: plan[15] + plan[16]])
+
+
+@njit(cache=True)
 def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents, other):
     """Set the call's error: operand ``which``'s tile at ``keys`` is NULL (``what`` 0), holds
     ``held`` bytes instead of the ``need`` of its ``extents`` (1), has a key outside the
@@ -178,9 +186,7 @@ def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents,
         at = put_text(out, at, np.frombuffer(b"' joined with it", np.uint8))
     elif what == 5:
         at = put_text(out, at, np.frombuffer(b"' is not a CSR tile of shape (", np.uint8))
-        at = _put_ints(out, at, extents, rank)
-        at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
-        at = put_text(out, at, text[plan[15]: plan[15] + plan[16]])
+        at = _put_shape(out, at, plan, text, extents, rank)
         at = put_text(out, at, np.frombuffer(b" (", np.uint8))
         at = put_int(out, at, held)
         at = put_text(out, at, np.frombuffer(b" bytes)", np.uint8))
@@ -188,9 +194,7 @@ def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents,
         at = put_text(out, at, np.frombuffer(b"' holds ", np.uint8))
         at = put_int(out, at, held)
         at = put_text(out, at, np.frombuffer(b" bytes; its shape (", np.uint8))
-        at = _put_ints(out, at, extents, rank)
-        at = put_text(out, at, np.frombuffer(b") and dtype ", np.uint8))
-        at = put_text(out, at, text[plan[15]: plan[15] + plan[16]])
+        at = _put_shape(out, at, plan, text, extents, rank)
         at = put_text(out, at, np.frombuffer(b" need ", np.uint8))
         at = put_int(out, at, need)
     out[at] = 0
