@@ -5,14 +5,11 @@ collection PySpark runs before each UDF evaluation skips the modules and compile
 No Spark needed: the UDFs are the Python functions Spark ships by reference."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("duckdb", "sqlglot", "tra_sql.session", "tra_sql.tensor", "tra_sql.graph", "tra_sql.compile",
          "tra_sql.decompose", "tra_sql.engines", "tra_sql.udfs.register")
 
@@ -41,9 +38,8 @@ print(json.dumps({"tile": np.frombuffer(out[0].as_py()).tolist(), "modules": sor
 def worker(join: str | None) -> dict:
     """Run ``WORKER`` (two ``tra_einsum_2`` calls, ``join`` its join expression) in a fresh
     interpreter; its result tile, modules, and objects frozen and still tracked by gc."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", WORKER.replace("JOIN", repr(join))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", WORKER.replace("JOIN", repr(join))], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -73,8 +69,6 @@ def test_import_tra_sql_is_public_and_lazy():
             "assert Tensor is tra_sql.tensor.Tensor and set(tra_sql.__all__) <= set(dir(tra_sql)); "
             "from tra_sql.udfs import register_kernels; import tra_sql.udfs.register as r; "
             "assert register_kernels is r.register_kernels; print(before)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
