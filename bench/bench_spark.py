@@ -165,8 +165,9 @@ def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> dict:
     """Two epochs of a 2-layer GCN with Adam (tables ``adj`` and ``labels`` in ``db``; the
     adjacency in CSR blocks of ``block``²): the second epoch's ``seconds`` (its commit
     included) and ``window`` (its start and end, seconds since the Unix epoch), both
-    ``losses``, ``W1``, and the second epoch's (one step's) Spark ``jobs`` and classes Spark's code
-    generator ``compiled`` in the driver's JVM (``spark_jobs.compiled``; 0 on DuckDB)."""
+    ``losses``, ``W1``, and the second epoch's (one step's) Spark ``jobs``, classes Spark's code
+    generator ``compiled`` in the driver's JVM (``spark_jobs.compiled``; 0 on DuckDB) and Python
+    ``workers`` started and exited in it (``spark_jobs.python_workers``: (0, 0) when reused)."""
     from tra_sql.optim import Adam
     from tra_sql.train import cross_entropy
 
@@ -180,13 +181,15 @@ def gcn_epoch(db, n: int, f: int, h: int, c: int, block: int, x) -> dict:
                   join="x0 + x1")
     loss = cross_entropy(db, z, y, len(range(0, n, 10)))
     spark = db.engine.name == "spark"
-    ends = []  # each epoch's end, jobs and compiled classes so far, after its commit (History.seconds stops before it)
+    ends = []  # each epoch's end, jobs, compiled classes and Python workers then, after its commit
     with spark_jobs.jobs(db.engine.spark) if spark else nullcontext() as jobs:
         run = db.train(loss, list(p.values()), Adam(lr=0.01), 2, run="gcn", progress=False,
                        on_epoch=lambda *_: ends.append((time.perf_counter(), time.time(), jobs.count if jobs else 0,
-                                                        spark_jobs.compiled(db.engine.spark) if spark else 0)))
+                                                        spark_jobs.compiled(db.engine.spark) if spark else 0,
+                                                        spark_jobs.python_workers() if spark else frozenset())))
     return {"seconds": ends[1][0] - ends[0][0], "window": (ends[0][1], ends[1][1]), "losses": run.losses,
-            "W1": db.tensor("gW1").numpy(), "jobs": ends[1][2] - ends[0][2], "compiled": ends[1][3] - ends[0][3]}
+            "W1": db.tensor("gW1").numpy(), "jobs": ends[1][2] - ends[0][2], "compiled": ends[1][3] - ends[0][3],
+            "workers": (len(ends[1][4] - ends[0][4]), len(ends[0][4] - ends[1][4]))}
 
 
 def gcn_tables(duck, data) -> None:
@@ -278,7 +281,7 @@ def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = Fa
         finally:
             db.close()
     return {"duckdb": ours["seconds"], "spark": spark["seconds"], "mllib": t_mllib, "jobs": spark["jobs"],
-            "df": t_df, "df_jobs": df_jobs}
+            "workers": spark["workers"], "df": t_df, "df_jobs": df_jobs}
 
 
 def main() -> None:
@@ -315,6 +318,7 @@ def main() -> None:
               f"{t['duckdb']:.2f} | |\n| tra_sql on Spark, one epoch (one step) | {t['spark']:.2f} | {t['jobs']} |\n"
               f"{by_hand}| MLlib BlockMatrix, the epoch's 9 products only (float64) | {t['mllib']:.2f} | |")
         versus = "" if t["df"] is None else f"tra_sql Spark / DataFrames by hand = {t['spark'] / t['df']:.2f}; "
+        print("\ntra_sql on Spark, the second epoch: {} Python workers started, {} exited".format(*t["workers"]))
         print(f"\nratios: tra_sql Spark / MLlib = {t['spark'] / t['mllib']:.2f}; {versus}"
               f"tra_sql Spark / tra_sql DuckDB = {t['spark'] / t['duckdb']:.2f}")
 

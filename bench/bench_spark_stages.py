@@ -6,14 +6,16 @@ from the log (a profile, not a timing: run it on a quiet machine for times that 
     python bench/bench_spark_stages.py --adaptive             # under Spark's own settings
     python bench/bench_spark_stages.py --gcn 8192 81920 128 16 8 --block 2048
 
-Prints the epoch's seconds, Spark jobs and classes compiled by Spark's code generator, where
+Prints the epoch's seconds, Spark jobs, classes compiled by Spark's code generator and Python
+workers started and exited (``spark_jobs.python_workers``), where
 the epoch's wall time went (the driver before its job: views, checkpoints, planning; the job;
 the commit after it), the physical operators of its queries (joins, exchanges, exchanges
 reused, Python UDF evaluations), a table of its stages: tasks, wall time (submission to
 completion), the tasks' run, CPU and deserialization time, shuffle bytes, and the operators
 each stage runs (from the RDD scopes); then the totals and the Python workers' SQL metrics
 summed over the stages (their start, initialization, run and Python code time, data sent and
-returned).
+returned). A reused worker's "start" is the full garbage collection PySpark's daemon runs before
+each UDF evaluation (``spark_udfs._settle`` freezes the heap it would scan).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def main() -> None:
         mode = "Spark's own settings" if args.adaptive else "one job per program"
         print(f"GCN {n} nodes, {e} edges, block {args.block}, local[2], {args.partitions} shuffle partitions, "
               f"{mode}: second epoch "
-              f"{epoch['seconds']:.2f} s, {epoch['jobs']} Spark jobs, {epoch['compiled']} classes compiled")
+              f"{epoch['seconds']:.2f} s, {epoch['jobs']} Spark jobs, {epoch['compiled']} classes compiled, "
+              "{} Python workers started, {} exited".format(*epoch["workers"]))
         report(events(Path(logs)), epoch["window"])
 
 

@@ -568,6 +568,24 @@ def test_a_training_step_is_one_spark_job(sdb):
     assert [spark.conf.get(k) for k in ("spark.sql.adaptive.enabled", "spark.sql.shuffle.partitions")] == ["true", "2"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="spark_jobs.python_workers reads /proc")
+def test_training_steps_reuse_the_python_workers(sdb):
+    """The steps after the first run their UDFs in the Python workers the first one started
+    (``spark.python.worker.reuse``): none starts, none exits (``spark_jobs.python_workers``),
+    and the steps are numpy's SGD steps."""
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    sdb.train(loss, params, SGD(lr=0.5), 1, run="workers", progress=False)
+    w, b = params[0].numpy(), params[1].numpy()
+    before = spark_jobs.python_workers()
+    sdb.train(loss, params, SGD(lr=0.5), 4, run="workers", progress=False)
+    assert before and spark_jobs.python_workers() == before
+    for _ in range(3):
+        _, gw, gb = numpy_gradient(x, y, w, b)
+        w, b = w - 0.5 * gw, b - 0.5 * gb
+    np.testing.assert_allclose(params[0].numpy(), w, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), b, rtol=1e-10, atol=1e-14)
+
+
 def test_cluster_gradient_and_training_equal_duckdb(cdb, duck):
     """A gradient and two SGD steps (one, then one more resuming the run) on the cluster:
     DuckDB's numbers, and numpy's."""

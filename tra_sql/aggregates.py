@@ -6,22 +6,23 @@ applies and ``floating`` whether the result is floating point; the kernels start
 ``identity``, fold joined values with ``loop_update`` (generated loops) and fold tiles with
 ``ufunc`` (NumPy, also on Spark); staged plans combine partial results with the join
 ``combine``; the absent-tile rule asks ``absorbs_zeros``; autodiff runs ``gradient``. Adding
-an aggregation is adding an entry here (and its test).
+an aggregation is adding an entry here (and its test). The gradient rules import sqlglot when
+they run, so the kernels (a Spark Python worker's) import no sqlglot through this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from sqlglot import exp
 
-from tra_sql.expressions import div, mul, num, shift, to_sql
+if TYPE_CHECKING:
+    from sqlglot import exp
 
 Node = Any  # a ``tra_sql.graph.Node`` (the graph imports this module)
-Part = Callable[[int, exp.Expression], Node | None]
+Part = Callable[[int, "exp.Expression"], "Node | None"]
 
 
 class Backward(Protocol):
@@ -96,6 +97,10 @@ def _extreme(name: str, dtype: np.dtype):
 
 def _sum_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
     """``d x_i = Σ_{indices not in x_i} dOut[o] · ∂join/∂x_i``."""
+    from sqlglot import exp
+
+    from tra_sql.expressions import mul, shift
+
     n = len(b.node.operands)
     return b.operands(lambda i, D: b.reduce(i, [b.g], mul(exp.column("x0"), shift(D, n, 1))))
 
@@ -103,6 +108,10 @@ def _sum_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
 def _extremum_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
     """The gradient goes to the elements equal to the result, split evenly among ties (as
     ``torch.amax``): ``dOut · [join = out] / count(join = out) · ∂join/∂x_i``."""
+    from sqlglot import exp
+
+    from tra_sql.expressions import div, mul, num, shift, to_sql
+
     node, J = b.node, b.join
     if node.dtype == np.float32 and not isinstance(J, exp.Column):
         return _via_elementwise(b)
@@ -134,6 +143,10 @@ def _via_elementwise(b: Backward) -> Iterable[tuple[Node, Node]]:
 def _prod_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
     """``dOut · out / join · ∂join/∂x_i``, computed as PyTorch does without dividing by zero:
     with one zero factor in a group only that element gets the product of the others."""
+    from sqlglot import exp
+
+    from tra_sql.expressions import div, mul, num, shift, to_sql
+
     n, text = len(b.node.operands), to_sql(b.join)
 
     def part(i: int, D: exp.Expression) -> Node | None:
@@ -153,6 +166,10 @@ def _prod_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
 
 def _logsumexp_gradient(b: Backward) -> Iterable[tuple[Node, Node]]:
     """``dOut · exp(join - out) · ∂join/∂x_i``: each joined value's softmax weight in its group."""
+    from sqlglot import exp
+
+    from tra_sql.expressions import mul, shift
+
     n = len(b.node.operands)
     weight = exp.Exp(this=exp.Sub(this=exp.Paren(this=shift(b.join, n, 2)), expression=exp.column("x1")))
     return b.operands(lambda i, D: b.reduce(i, [b.g, b.node], mul(mul(exp.column("x0"), weight), shift(D, n, 2))))

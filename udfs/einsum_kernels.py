@@ -16,7 +16,6 @@ from tra_sql.aggregates import AGGREGATES
 from tra_sql.udfs import sparse
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
 from tra_sql.udfs.contract import TileEinsum
-from tra_sql.udfs.expr import join_code
 from tra_sql.udfs.protocol import ChainStep, EinsumStep
 from tra_sql.udfs.python_kernels import implements
 from tra_sql.udfs.tiles import Operand, allocate_tiles, operand_tiles, out_view, uniform
@@ -65,7 +64,11 @@ class TileStep:
     @cached_property
     def kernel(self) -> TileEinsum:
         s = self.step
-        return TileEinsum(s.inputs, s.output, join_code(s.join, len(s.inputs)) if s.join else None, s.agg)
+        if not s.join:
+            return TileEinsum(s.inputs, s.output, None, s.agg)
+        from tra_sql.udfs.expr import join_code  # sqlglot, for join expressions only
+
+        return TileEinsum(s.inputs, s.output, join_code(s.join, len(s.inputs)), s.agg)
 
     @cached_property
     def batched(self) -> TileEinsum:
