@@ -70,7 +70,7 @@ class DuckDBEngine(Engine):
         self.con = con
         self.native = NativeKernels.attach(con)
         self.kernels = "native" if self.native else "arrow"
-        if self.native:  # DuckDB's own malloc_trim calls would undo the allocator's tuning
+        if self.native and self.native.keep_heap:  # DuckDB's own malloc_trim calls would undo the allocator's tuning
             allocator.keep_duckdb_heap(self.native.keep_heap)
         if not read_only:
             duckdb_catalog.ensure_catalog(con)
