@@ -273,3 +273,17 @@ def test_a_tensor_compiles_and_renders_once_and_reads_its_tables_when_run(db, mo
     D = db.einsum("ij,jk->ik", db.tensor("A"), B, join="tanh(x0 / 24) * x1")
     assert D.tile == (4, 5) and D.dtype == np.float64
     np.testing.assert_allclose(D.numpy(), np.tanh(a / 24) @ b)
+
+
+def test_tile_joins_run_without_duckdbs_caching_operators(db):
+    """A join's output of under 64 rows would be appended to a cache chunk, every tile in it
+    copied (``engines.duckdb.no_tile_copies``): tra_sql's connection switches that off, and
+    the results are the same either way."""
+    assert db.engine.con.execute("SELECT current_setting('enable_caching_operators')").fetchall() == [(False,)]
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((6, 8)), rng.standard_normal((8, 4))
+    C = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=(2, 4)), db.from_numpy("B", b, tile=(4, 4)))
+    without = C.numpy()
+    db.engine.con.execute("SET enable_caching_operators = true")
+    np.testing.assert_array_equal(C.numpy(), without)
+    np.testing.assert_allclose(without, a @ b, rtol=1e-12)
