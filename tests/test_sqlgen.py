@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql import nn
 from tra_sql.compile import chain, passes
+from tra_sql.tensor import Tensor
 from tra_sql.udfs.contract import TileEinsum
 
 
@@ -214,6 +215,7 @@ def test_chain_with_too_many_input_bytes_per_call_stays_steps(db, monkeypatch):
     monkeypatch.setattr(chain, "CHAIN_CALL_BYTES", 4 * per_row)
     assert "TRA_LOOP_CHAIN_5(" in flat(Y)
     monkeypatch.setattr(chain, "CHAIN_CALL_BYTES", 4 * per_row - 1)
+    Y = Tensor(db, Y.node)  # a tensor's program is compiled once: compile it again, under the new limit
     assert "CHAIN_" not in flat(Y)
     np.testing.assert_allclose(Y.numpy(), ref)
 
@@ -229,3 +231,59 @@ def test_element_wise_steps_and_reductions_chain_too(db, rows):
     sql = flat(out)
     assert sql.count("TRA_LOOP_CHAIN_2(") == 1 and "MATERIALIZED" not in sql
     np.testing.assert_allclose(out.numpy(), np.exp((np.tanh(x) * w).max(axis=1)))
+
+
+def test_a_tensor_compiles_and_renders_once_and_reads_its_tables_when_run(db, monkeypatch):
+    """``numpy()`` again compiles and renders nothing (the DAG under a tensor never changes);
+    the SQL reads the tables when it runs, so new values of the same geometry are used; a
+    table replaced by another tiling or dtype fails the old tensor as it did before (its
+    tiles' sizes are checked), and an einsum over the tensor as it is now compiles afresh."""
+    from tra_sql.compile.dialect import Dialect
+    from tra_sql.compile.program import Program
+
+    calls = {"compile": 0, "render": 0}
+    compile_, render = Program.compile.__func__, Dialect.render
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(Program, "compile", classmethod(counted("compile", compile_)))
+    monkeypatch.setattr(Dialect, "render", counted("render", render))
+    a, b = np.arange(24.0).reshape(4, 6), np.ones((6, 5))
+    A, B = db.from_numpy("A", a, tile=(2, 3)), db.from_numpy("B", b, tile=(3, 5))
+    C = db.einsum("ij,jk->ik", A, B, join="tanh(x0 / 24) * x1")
+    np.testing.assert_allclose(C.numpy(), np.tanh(a / 24) @ b)
+    first = dict(calls)
+    np.testing.assert_allclose(C.numpy(), np.tanh(a / 24) @ b)
+    assert calls == first and first == {"compile": 1, "render": 1}
+    db.from_numpy("A", -a, tile=(2, 3), replace=True)  # same geometry: the same SQL reads the new tiles
+    np.testing.assert_allclose(C.numpy(), np.tanh(-a / 24) @ b)
+    assert calls == first
+    sql = C.program().sql(pretty=False)
+    with passes.fusions(off={"loops", "contractions"}):  # other fusions: compiled and rendered again
+        other = C.program().sql(pretty=False)
+        np.testing.assert_allclose(C.numpy(), np.tanh(-a / 24) @ b)
+    assert other != sql and C.program().sql(pretty=False) == sql and calls == {"compile": 2, "render": 2}
+    db.from_numpy("A", a.astype(np.float32), tile=(4, 6), replace=True)
+    with pytest.raises(tra_sql.CorruptTileError, match="'A'"):
+        C.numpy()
+    D = db.einsum("ij,jk->ik", db.tensor("A"), B, join="tanh(x0 / 24) * x1")
+    assert D.tile == (4, 5) and D.dtype == np.float64
+    np.testing.assert_allclose(D.numpy(), np.tanh(a / 24) @ b)
+
+
+def test_tile_joins_run_without_duckdbs_caching_operators(db):
+    """A join's output of under 64 rows would be appended to a cache chunk, every tile in it
+    copied (``engines.duckdb.no_tile_copies``): tra_sql's connection switches that off, and
+    the results are the same either way."""
+    assert db.engine.con.execute("SELECT current_setting('enable_caching_operators')").fetchall() == [(False,)]
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((6, 8)), rng.standard_normal((8, 4))
+    C = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=(2, 4)), db.from_numpy("B", b, tile=(4, 4)))
+    without = C.numpy()
+    db.engine.con.execute("SET enable_caching_operators = true")
+    np.testing.assert_array_equal(C.numpy(), without)
+    np.testing.assert_allclose(without, a @ b, rtol=1e-12)

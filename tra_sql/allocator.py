@@ -8,12 +8,22 @@ into fresh pages took 116 ms, into reused ones 18 ms. ``retain_freed_memory`` ha
 every allocation from one heap and keep up to ``KEEP_BYTES`` of it after ``free``, so the
 next tile's buffers reuse pages already mapped. Process-wide; it costs memory returned to
 the system later, not peak memory. ``TRA_SQL_MALLOC=system`` leaves glibc's defaults.
+
+DuckDB itself calls ``malloc_trim`` after its tasks (at most every 100 ms), which hands every
+free page of the heap back to the system (``madvise``), so the next tiles page-fault again (an
+MLP training epoch: ~30-70k faults). ``keep_duckdb_heap`` points DuckDB's library's call of
+``malloc_trim`` (its PLT slot) at a function that keeps the heap, while the tuning is in effect:
+freed memory then stays in the process for reuse (glibc still returns what is free past
+``KEEP_BYTES`` at the heap's top).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import struct
+
+import _duckdb  # the extension module holding all of DuckDB
 
 from tra_sql.errors import TraError
 
@@ -22,6 +32,7 @@ KEEP_BYTES = 1 << 30
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 _applied = False
+_kept = False  # whether DuckDB's malloc_trim keeps the heap (``keep_duckdb_heap``)
 
 
 def _glibc() -> bool:
@@ -43,3 +54,93 @@ def retain_freed_memory() -> bool:
         _applied = all(libc.mallopt(param, value) == 1 for param, value in
                        ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_BYTES)))
     return _applied
+
+
+# ELF: the machine's PLT relocation type (x86-64 R_X86_64_JUMP_SLOT, AArch64 R_AARCH64_JUMP_SLOT)
+_JUMP_SLOT = {62: 7, 183: 1026}
+_SHT_RELA, _SHT_DYNSYM = 4, 11
+
+
+def _plt_slot(path: str, symbol: str) -> int | None:
+    """The offset from its load address of the PLT slot (GOT entry) through which the ELF
+    shared object ``path`` calls ``symbol``, or None."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if head[:5] != b"\x7fELF\x02" or head[5] != 1:  # 64-bit, little-endian
+            return None
+        machine, = struct.unpack_from("<H", head, 18)
+        shoff, = struct.unpack_from("<Q", head, 40)
+        shentsize, shnum = struct.unpack_from("<HH", head, 58)
+        f.seek(shoff)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", f.read(shentsize)) for _ in range(shnum)]
+
+        def read(section) -> bytes:
+            f.seek(section[4])
+            return f.read(section[5])
+
+        for sh in sections:
+            if sh[1] != _SHT_RELA or sections[sh[6]][1] != _SHT_DYNSYM or machine not in _JUMP_SLOT:
+                continue
+            symbols = read(sections[sh[6]])
+            names = read(sections[sections[sh[6]][6]])
+            relocations = read(sh)
+            for at in range(0, len(relocations), 24):
+                offset, info = struct.unpack_from("<QQ", relocations, at)
+                if info & 0xFFFFFFFF != _JUMP_SLOT[machine]:
+                    continue
+                name_at, = struct.unpack_from("<I", symbols, 24 * (info >> 32))
+                if names[name_at:names.index(b"\0", name_at)] == symbol.encode():
+                    return offset
+    return None
+
+
+def _mapping(address: int) -> tuple[str, str]:
+    """(permissions, path) of the process's memory mapping holding ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[1], fields[5].strip() if len(fields) > 5 else ""
+    return "", ""
+
+
+def keep_duckdb_heap(replacement: int) -> bool:
+    """While the tuning is in effect, point DuckDB's library's call of ``malloc_trim`` at
+    ``replacement`` (a C function ``int(size_t)`` that trims nothing); True when it does.
+    Where the slot cannot be found, is read-only or holds neither glibc's ``malloc_trim`` nor
+    an unresolved lazy binding, nothing changes."""
+    global _kept
+    if not _applied:
+        return False
+    library = ctypes.CDLL(_duckdb.__file__)
+    offset = _plt_slot(_duckdb.__file__, "malloc_trim")
+    if offset is None:
+        return False
+    slot = ctypes.c_size_t.from_address(library._handle).value + offset  # glibc: a handle's link_map starts l_addr
+    trim = ctypes.cast(ctypes.CDLL(None).malloc_trim, ctypes.c_void_p).value
+    entry = ctypes.c_uint64.from_address(slot)
+    if entry.value == replacement:
+        return _kept
+    lazy = _mapping(entry.value)[1] == os.path.realpath(_duckdb.__file__)  # not yet bound: DuckDB's own PLT
+    if "w" not in _mapping(slot)[0] or entry.value != trim and not lazy:
+        return False
+    entry.value = replacement
+    _kept = True
+    return True
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def held_free() -> int:
+    """Bytes free inside the process's heap that it keeps for reuse (resident: no one trims
+    them) while ``keep_duckdb_heap`` is in effect, else 0: memory the process can still use
+    beyond what the machine reports available."""
+    if not _kept:
+        return 0
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+    return int(libc.mallinfo2().fordblks)

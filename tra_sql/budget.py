@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tra_sql import allocator
 from tra_sql.errors import MemoryBudgetError
 from tra_sql.graph import Fill, Node, topological
 
@@ -39,16 +40,17 @@ ROW_BYTES = 64  # what a tile's row costs beyond its elements (keys, BLOB header
 
 
 def available() -> int | None:
-    """Bytes the machine can still give this process (MemAvailable), if it says."""
+    """Bytes the machine can still give this process (MemAvailable), if it says, plus the free
+    memory the process's heap keeps for reuse (``allocator.held_free``)."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * 1024 + allocator.held_free()
     except OSError:
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + allocator.held_free()
     except (ValueError, OSError):
         return None
 

@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np
@@ -217,6 +218,30 @@ def _d_erf(e, d) -> exp.Expression:
     return mul(mul(num(2 / math.sqrt(math.pi)), exp.Exp(this=neg(mul(a, a)))), d(a))
 
 
+def _tanh_series(terms: int) -> list[float]:
+    """The first ``terms`` coefficients of tanh's Taylor series (of x, x^3, x^5, ...):
+    ``2^2n (2^2n - 1) B_2n / (2n)!`` from the Bernoulli numbers ``B``."""
+    bernoulli = [Fraction(1)]
+    for m in range(1, 2 * terms + 1):
+        bernoulli.append(-sum(math.comb(m + 1, k) * bernoulli[k] for k in range(m)) / (m + 1))
+    return [float(4**n * (4**n - 1) * bernoulli[2 * n] / math.factorial(2 * n)) for n in range(1, terms + 1)]
+
+
+def _horner(coefficients: list[float], variable: str) -> str:
+    text = repr(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        text = f"{c!r} + {variable} * ({text})"
+    return text
+
+
+# tanh in float64 as DuckDB computes it (libm's tanh of a DOUBLE), within 3 ulp, without libm's
+# tanh, which costs about three exp calls: ``1 - 2 / (exp(2|x|) + 1)`` (exact in sign, 1 at
+# large |x|, NaN for NaN), and below |x| = 0.3, where that loses digits, the first 12 terms of
+# the Taylor series (|error| < 1e-17 there); both are computed and one selected, without a branch.
+TANH_SMALL = 0.3
+TANH = (f"np.copysign((lambda _y, _p, _f: _p if _y < {TANH_SMALL!r} else _f)(abs({{0}}), "
+        f"(lambda _q: _q * ({_horner(_tanh_series(12), '(_q * _q)')}))(min(abs({{0}}), {TANH_SMALL!r})), "
+        f"1.0 - 2.0 / (np.exp(2.0 * abs({{0}})) + 1.0)), {{0}})")
 ROUND = "{0} if abs({0}) >= 4503599627370496.0 else np.copysign(np.floor(abs({0}) + 0.5), {0})"  # 2^52: integral
 SIGN = "1 if {0} > 0 else (-1 if {0} < 0 else 0)"  # DuckDB's: an integer, 0 for -0.0 and NaN
 
@@ -228,7 +253,7 @@ FUNCTIONS: dict[type[exp.Expression], Function] = {
     exp.Log: Function(("log",), _log, _d_log),  # log(x) is base 10, log(b, x) base b
     exp.Sqrt: Function(("sqrt",), unary("np.sqrt({})"), lambda e, d: div(d(e.this), mul(num(2), e.copy()))),
     exp.Abs: Function(("abs",), unary("abs({})"), lambda e, d: mul(exp.Sign(this=e.this.copy()), d(e.this))),
-    exp.Tanh: Function(("tanh",), unary("np.tanh({})"),
+    exp.Tanh: Function(("tanh",), lambda node, go, text: once(TANH, go(node.this)),
                        lambda e, d: mul(sub(num(1), mul(e.copy(), e.copy())), d(e.this))),
     exp.Sin: Function(("sin",), unary("np.sin({})"), lambda e, d: mul(exp.Cos(this=e.this.copy()), d(e.this))),
     exp.Cos: Function(("cos",), unary("np.cos({})"), lambda e, d: neg(mul(exp.Sin(this=e.this.copy()), d(e.this)))),

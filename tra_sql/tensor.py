@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from tra_sql import budget, graph, structure
+from tra_sql.compile import passes
 from tra_sql.compile.program import Program
 from tra_sql.decompose import choose
 from tra_sql.graph import Node, Source, topological
@@ -24,6 +25,7 @@ class Tensor:
     def __init__(self, session: Session, node: Node):
         self.session = session
         self.node = node
+        self._compiled: dict[frozenset[str], Program] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,7 +49,12 @@ class Tensor:
         return self.node.table if isinstance(self.node, Source) else None
 
     def program(self) -> Program:
-        return Program.compile(self.node)
+        """The compiled program, compiled once per set of enabled fusions (``passes.fusions``):
+        the DAG under a tensor never changes, so every ``numpy()`` after the first runs the same
+        SQL without compiling or rendering it again (``Program.sql`` keeps its text)."""
+        if passes.enabled not in self._compiled:
+            self._compiled[passes.enabled] = Program.compile(self.node)
+        return self._compiled[passes.enabled]
 
     def sql(self, dialect: str = "duckdb") -> str:
         """The SQL that computes this tensor's tile relation (columns ``k0..``, ``tile``)."""

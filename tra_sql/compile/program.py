@@ -41,6 +41,8 @@ class Program:
     kernels: set[Kernel] = field(default_factory=set)
     refs: dict[int, str] = field(default_factory=dict)
     by_sql: dict[str, str] = field(default_factory=dict)
+    #: ``sql``'s texts by (pretty, dialect, enabled fusions): a compiled program does not change
+    rendered: dict[tuple, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def compile(cls, root: Node, *others: Node) -> Program:
@@ -93,8 +95,12 @@ class Program:
         return select
 
     def sql(self, pretty: bool = True, dialect: Dialect = DUCKDB) -> str:
-        """The whole program as one query in ``dialect``."""
-        return dialect.render(self.query(dialect.materialized), pretty)[0]
+        """The whole program as one query in ``dialect`` (rendered once per ``pretty``,
+        dialect and set of enabled fusions, which the dialect reads)."""
+        key = (pretty, dialect, passes.enabled)
+        if key not in self.rendered:
+            self.rendered[key] = dialect.render(self.query(dialect.materialized), pretty)[0]
+        return self.rendered[key]
 
     def union_query(self, results: dict[str, Node]) -> exp.Select:
         """Several results of one compiled DAG in one query: every step a materialized CTE,

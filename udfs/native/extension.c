@@ -24,6 +24,10 @@ EXPORT duckdb_connection tra_native_connection = 0;
    so a copy is the same pointer. */
 EXPORT void *tra_native_same(void *data) { return data; }
 
+/* What DuckDB calls in place of malloc_trim while tra_sql.allocator keeps the heap (see
+   keep_duckdb_heap): nothing is handed back, so freed pages are reused without faults. */
+EXPORT int tra_native_keep_heap(unsigned long pad) { (void)pad; return 0; }
+
 EXPORT bool tra_native_init_c_api(duckdb_extension_info info, struct duckdb_extension_access *access) {
     duckdb_database *database = access->get_database(info);
     if (!database || !tra_native_connect) {

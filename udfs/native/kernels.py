@@ -105,9 +105,10 @@ def _logical(sql_type: str) -> int:
 class NativeKernels:
     """The native kernels registered on one database (through a C API connection to it)."""
 
-    def __init__(self, connection: int, same: int):
+    def __init__(self, connection: int, same: int, keep_heap: int):
         self.connection = ctypes.c_void_p(connection)
         self.same = same  # the identity bind-data copy callback
+        self.keep_heap = keep_heap  # a malloc_trim that trims nothing (tra_sql.allocator.keep_duckdb_heap)
         self.plans: dict[tuple[str, str], tuple[np.ndarray, ...]] = {}
         self._lock = threading.Lock()
         # one bind callback per kind and the fused aggregates' plan lookup, kept alive while DuckDB may call them

@@ -60,9 +60,10 @@ def unsigned_allowed(con: duckdb.DuckDBPyConnection) -> bool:
     return str(value).lower() == "true"
 
 
-def load(con: duckdb.DuckDBPyConnection, duckdb_connect) -> tuple[int, int] | None:
-    """(a C API connection to ``con``'s database, the address of the extension's identity
-    copy callback ``tra_native_same``) after loading the extension on ``con``, or None where
+def load(con: duckdb.DuckDBPyConnection, duckdb_connect) -> tuple[int, int, int] | None:
+    """(a C API connection to ``con``'s database, the addresses of the extension's identity
+    copy callback ``tra_native_same`` and of ``tra_native_keep_heap``, a ``malloc_trim`` that
+    trims nothing, 0 in a library built without it) after loading the extension on ``con``, or None where
     it cannot be (no built library, unsigned extensions not allowed, a refused load).
     ``duckdb_connect`` is the C API's function of that name."""
     library = built()
@@ -82,4 +83,6 @@ def load(con: duckdb.DuckDBPyConnection, duckdb_connect) -> tuple[int, int] | No
         finally:
             connect.value = None
         result, handle.value = handle.value, None
-    return (result, ctypes.cast(lib.tra_native_same, ctypes.c_void_p).value) if result else None
+    keep_heap = getattr(lib, "tra_native_keep_heap", None)  # 0: a library built before it existed
+    return (result, ctypes.cast(lib.tra_native_same, ctypes.c_void_p).value,
+            ctypes.cast(keep_heap, ctypes.c_void_p).value if keep_heap else 0) if result else None
