@@ -62,7 +62,12 @@ def via_sql(t):  # tensor t through the SQL front end: its einsums nested einsum
         operands = [tra_sql.tensor.Tensor(db, op) for op in node.operands]
         built = db.einsum(str(node.spec), *operands, join=node.join, agg=node.agg).node
         return built.dtype == node.dtype and built.operands == node.operands
+    texts = {}  # a node's text by its id: a node used twice is stored (and written) once
     def text(node):
+        if id(node) not in texts:
+            texts[id(node)] = written(node)
+        return texts[id(node)]
+    def written(node):
         if isinstance(node, tra_sql.graph.Source):
             return f'"{node.table}"'
         if not public(node):

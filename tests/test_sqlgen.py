@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql import nn
 from tra_sql.compile import chain, passes
+from tra_sql.compile.program import Program
 from tra_sql.tensor import Tensor
 from tra_sql.udfs.contract import TileEinsum
 
@@ -104,6 +105,29 @@ def test_identical_subprograms_are_merged(db):
     total = db.einsum("ij,ij->ij", left, right, join="x0 + x1")
     assert flat(total).count("TRA_CONTRACT_AGG_FLOAT64(") == 1
     np.testing.assert_allclose(total.numpy(), np.eye(3) * 8)
+
+
+def test_identical_nodes_are_merged_before_fusion(db):
+    """Built twice, a product is still one step: neither copy is fused into its own consumer
+    (which would compute it twice, in two kernels that may round differently)."""
+    A = db.from_numpy("A", np.arange(9.0).reshape(3, 3) / 7, tile=(2, 2))
+    left, right = (db.einsum("ij,jk->ik", A, A) for _ in range(2))
+    total = db.einsum("ij,ij->ij", db.einsum("ij->ij", left, join="x0 + 1"), right, join="x0 * x1")
+    sql = flat(total)
+    assert sql.count("TRA_CONTRACT_AGG_FLOAT64(") == 1 and '"epilogue"' not in sql
+    a = np.arange(9.0).reshape(3, 3) / 7
+    np.testing.assert_allclose(total.numpy(), (a @ a + 1) * (a @ a), rtol=1e-12)
+
+
+def test_nodes_differing_in_any_field_are_not_merged(db):
+    A = db.from_numpy("A", np.arange(6.0).reshape(2, 3), tile=(1, 3))
+    parts = [db.einsum("ij->ij", A, join="x0 + 1"), db.einsum("ij->ij", A, join="x0 + 2"),
+             db.full((2, 3), 0.0), db.full((2, 3), -0.0), db.retile(A, (2, 1)), db.retile(A, (1, 1))]
+    total = db.add(*parts)
+    merged = Program.compile(total.node).merged
+    assert len({id(merged[id(part.node)]) for part in parts}) == len(parts)
+    a = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_allclose(total.numpy(), 4 * a + 3)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,12 +12,13 @@ from tra_sql.compile import passes, placement  # noqa: F401  (placement: the Sou
 from tra_sql.compile.attention import fuse_attention
 from tra_sql.compile.blocks import kernels_called, key, select_keys
 from tra_sql.compile.chain import fuse_chains
+from tra_sql.compile.common import merge_common
 from tra_sql.compile.dialect import DUCKDB, Dialect
 from tra_sql.compile.epilogue import fuse_epilogues
 from tra_sql.compile.lowering import LOWERING
 from tra_sql.compile.passes import Fused, Pass
 from tra_sql.compile.prologue import fuse_prologues
-from tra_sql.graph import Node, Source, topological
+from tra_sql.graph import Node, Source
 from tra_sql.udfs.protocol import Kernel
 
 #: The fusion passes in the order they run, each by its name in ``passes.FUSIONS``.
@@ -41,23 +42,27 @@ class Program:
     kernels: set[Kernel] = field(default_factory=set)
     refs: dict[int, str] = field(default_factory=dict)
     by_sql: dict[str, str] = field(default_factory=dict)
+    #: every node's id to the step computing it once identical nodes are merged (``common``)
+    merged: dict[int, Node] = field(default_factory=dict, repr=False)
     #: ``sql``'s texts by (pretty, dialect, enabled fusions): a compiled program does not change
     rendered: dict[tuple, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def compile(cls, root: Node, *others: Node) -> Program:
         """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``):
-        the ``PASSES`` that ``passes.fusions`` has not switched off replace the nodes they
+        identical nodes are merged (``common``), the ``PASSES`` that ``passes.fusions`` has not switched off replace the nodes they
         fuse, then every step is lowered in topological order."""
         program = cls(root)
-        steps = list({id(node): node for top in (root, *others) for node in topological(top)}.values())
+        steps, program.merged = merge_common((root, *others))
         consumers = Counter(id(child) for node in steps for child in node.inputs)
-        consumers.update(id(top) for top in (root, *others))  # a result stays a step of its own
+        consumers.update(id(program.merged[id(top)]) for top in (root, *others))  # a result stays a step of its own
         for name, fuse in PASSES:
             if name in passes.enabled:
                 steps = fuse(steps, consumers)
         for step in steps:
             program._add(step)
+        for original, step in program.merged.items():
+            program.refs[original] = program.refs[id(step)]
         return program
 
     def relations(self, nodes) -> tuple[list[str], list[str]]:
