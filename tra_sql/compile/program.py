@@ -50,8 +50,8 @@ class Program:
     @classmethod
     def compile(cls, root: Node, *others: Node) -> Program:
         """Compile the DAG under ``root`` (and ``others``: more results, see ``union_query``):
-        identical nodes are merged (``common``), the ``PASSES`` that ``passes.fusions`` has not switched off replace the nodes they
-        fuse, then every step is lowered in topological order."""
+        identical nodes are merged (``common``), the ``PASSES`` that ``passes.fusions`` has not
+        switched off replace the nodes they fuse, then every step is lowered in topological order."""
         program = cls(root)
         steps, program.merged = merge_common((root, *others))
         consumers = Counter(id(child) for node in steps for child in node.inputs)
