@@ -60,8 +60,9 @@ def test_every_kernel_kind_has_an_implementation():
     from tra_sql.backends.spark_udfs import GROUPED
     from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
-    # native aggregates, or macros over tra_reduce and tra_attention_<n>
-    reductions = {kernel.kind for kernel in (*protocol.REDUCTIONS, *protocol.CONTRACTIONS)} | set(protocol.ATTENTIONS)
+    # native aggregates, or macros over tra_reduce, tra_attention_<n> and tra_place
+    reductions = {kernel.kind for kernel in (*protocol.REDUCTIONS, *protocol.CONTRACTIONS, *protocol.PLACEMENTS)} \
+        | set(protocol.ATTENTIONS)
     assert set(protocol.SIGNATURES) == set(IMPLEMENTATIONS) | set(GROUPED) | reductions
     with pytest.raises(ValueError, match="already declared"):
         protocol.declare("place", protocol.SIGNATURES["place"])

@@ -65,7 +65,7 @@ def test_mismatched_tiling_is_retiled_in_sql(db):
     B = db.from_numpy("B", np.ones((6, 4)), tile=(2, 4))
     C = db.einsum("ij,jk->ik", A, B)
     sql = flat(C)
-    assert "TRA_PLACE(" in sql and "RANGE(0, 2)" in sql
+    assert "TRA_PLACE_AGG(" in sql and "RANGE(0, 2)" in sql
     assert C.tile == (3, 4)
 
 

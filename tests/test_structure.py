@@ -123,7 +123,7 @@ def test_add_is_a_keyed_sum(db, rng):
     db.engine.con.execute('DELETE FROM "A" WHERE k0 = 0 AND k1 = 0').fetchall()
     x[:2, :2] = 0
     total = db.add(a, b, a)
-    assert "TRA_PLACE(" in total.program().sql(pretty=False)
+    assert "TRA_PLACE_ADD_FLOAT64(" in total.program().sql(pretty=False)
     np.testing.assert_allclose(total.numpy(), 2 * x + y)
     with pytest.raises(tra_sql.ShapeError, match="add"):
         db.add(a, db.from_numpy("C", np.ones(3)))

@@ -270,6 +270,14 @@ for _dtype in FLOATS:
     SIGNATURES[f"attention_agg_{_dtype}"] = Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True)
 
 
+#: the placement aggregates ``place_agg(meta, keys, origin, shape, part, tile)`` (pieces
+#: written, any dtype) and ``place_add_<dtype>`` (overlapping pieces summed): one output tile
+#: per group, each piece (``tra_place``'s struct's fields) copied or added into it (native
+#: where it can be; else a macro over ``tra_place`` and ``ARRAY_AGG``)
+for _kind in ("place_agg", *(f"place_add_{_dtype}" for _dtype in FLOATS)):
+    SIGNATURES[_kind] = Signature(lambda n, k: (META, KEYS, KEYS, KEYS, "BIGINT", TILE))
+
+
 def declare(kind: str, signature: Signature) -> None:
     """A new kind of kernel (declared next to its kernel)."""
     if kind in SIGNATURES:
@@ -333,8 +341,20 @@ CONTRACT = Kernel("contract", 2)  # the per-row BLAS product the fused contracti
 #: kind -> the kinds DuckDB's dialect may write instead for the steps native loop kernels
 #: compute (a step with a prologue as a chain; an engine registers them with the kind)
 NATIVE_FORMS = {"einsum": ("loop", "loop_chain"), "chain": ("loop_chain",),
-                "attention": tuple(f"attention_agg_{dtype}" for dtype in FLOATS)}
+                "attention": tuple(f"attention_agg_{dtype}" for dtype in FLOATS),
+                "place": ("place_agg", *(f"place_add_{dtype}" for dtype in FLOATS))}
 ATTENTIONS = tuple(f"attention_agg_{dtype}" for dtype in FLOATS)  # the kinds of the native attention aggregates
+PLACEMENTS = tuple(Kernel(kind) for kind in NATIVE_FORMS["place"])  # the placement aggregates
+
+
+def placement_aggregate(step: PlaceStep) -> Kernel | None:
+    """The placement aggregate of ``step`` (see ``PLACEMENTS``): its sources of its dtype, and
+    a float dtype where overlapping pieces are summed; or None (``tra_place`` and a list)."""
+    if any(dtype != step.dtype for dtype in step.dtypes):
+        return None
+    if not step.add:
+        return PLACEMENTS[0]
+    return Kernel(f"place_add_{step.dtype}") if step.dtype in FLOATS else None
 
 
 def fused_contraction(dtype: str) -> Kernel | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import duckdb
 
 from tra_sql.udfs import attention, einsum_kernels, elements, pack, placement, sparse  # noqa: F401  (their kinds)
-from tra_sql.udfs.protocol import ATTENTIONS, CONTRACT, CONTRACTIONS, REDUCTIONS, Kernel
+from tra_sql.udfs.protocol import ATTENTIONS, CONTRACT, CONTRACTIONS, PLACE, PLACEMENTS, REDUCTIONS, Kernel
 from tra_sql.udfs.python_kernels import IMPLEMENTATIONS
 
 
@@ -33,8 +33,14 @@ def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
     """Register ``kernels`` (``protocol.Kernel``s) on ``con``; a whole-tile reduction as a macro
     over ``tra_reduce`` and ``ARRAY_AGG``, a fused contraction aggregate as one over
     ``tra_reduce`` and ``ARRAY_AGG`` of ``tra_contract_2`` (registered with them), a native
-    attention aggregate as one over ``tra_attention_<n>`` and ``ARRAY_AGG`` of its rows."""
+    attention aggregate as one over ``tra_attention_<n>`` and ``ARRAY_AGG`` of its rows, a
+    placement aggregate as one over ``tra_place`` and ``ARRAY_AGG`` of its pieces."""
     for kernel in kernels:
+        if kernel in PLACEMENTS:
+            piece = "{'origin': origin, 'shape': shape, 'part': part, 'tile': tile}"
+            con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, origin, shape, part, tile) AS "
+                        f"{PLACE.name}(meta, keys, ARRAY_AGG({piece}))").fetchall()
+            continue
         if kernel in REDUCTIONS:
             con.execute(f"CREATE OR REPLACE TEMP MACRO {kernel.name}(meta, keys, tile) AS "
                         f"{Kernel('reduce').name}(meta, keys, ARRAY_AGG(tile))").fetchall()

@@ -11,7 +11,7 @@ from tra_sql.compile import passes
 from tra_sql.compile.blocks import call, grouped, kernels_called
 from tra_sql.udfs.attention import native_attention
 from tra_sql.udfs.contract import gemm_form, native_chain, native_loop, prologue_chain
-from tra_sql.udfs.protocol import CONTRACT, NATIVE_FORMS, Kernel, fused_contraction, tile_reduction
+from tra_sql.udfs.protocol import CONTRACT, NATIVE_FORMS, Kernel, fused_contraction, placement_aggregate, tile_reduction
 
 
 def _fusible(node: exp.Expression, kind: str) -> bool:
@@ -82,10 +82,15 @@ class Dialect:
         on DuckDB: one tile of state per group, no list); ``tra_attention_<n>(meta, keys,
         ARRAY_AGG({keys0, tile0, ...}))`` of one float dtype becomes the aggregate
         ``tra_attention_agg_<dtype>_<n>(meta, keys, keys0, tile0, ...)`` (``protocol.ATTENTIONS``;
-        native on DuckDB: each joined row folded into the group's online softmax, no list),
-        unless ``loops`` is switched off."""
+        native on DuckDB: each joined row folded into the group's online softmax, no list), and
+        ``tra_place(meta, keys, ARRAY_AGG({origin, shape, part, tile}))`` the aggregate
+        ``protocol.placement_aggregate`` gives (native on DuckDB: each piece copied into the
+        group's tile, no list), unless ``loops`` is switched off."""
         kernel, step = node.meta["kernel"], node.meta["step"]
         args = node.expressions
+        if "loops" in passes.enabled and kernel.kind == "place" and (placed := placement_aggregate(step)) \
+                and isinstance(args[2], exp.ArrayAgg) and isinstance(args[2].this, exp.Struct):
+            return call(placed, step, [args[1].copy(), *(f.expression.copy() for f in args[2].this.expressions)])
         if "loops" in passes.enabled and kernel.kind == "attention" and native_attention(step) \
                 and isinstance(args[2], exp.ArrayAgg) and isinstance(args[2].this, exp.Struct):
             fields = [f.expression.copy() for f in args[2].this.expressions]

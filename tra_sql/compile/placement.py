@@ -14,6 +14,8 @@ from tra_sql.compile.lowering import LOWERING, Relations
 from tra_sql.graph import Fill, Place, Source
 from tra_sql.udfs.protocol import FILL, PLACE, FillStep, PlaceStep
 
+PIECE = ("origin", "shape", "part", "tile")  # the fields of a piece, as tra_place's list of structs has them
+
 
 @LOWERING.register(Source)
 def lower_source(node: Source, relations: Relations) -> str:
@@ -39,8 +41,8 @@ def _piece_geometry(node: Place, m: int) -> list[tuple[exp.Expression, exp.Expre
 
 
 def _pieces_select(node: Place, m: int, ref: str) -> exp.Select:
-    """One row per (source tile, output tile it overlaps): the output keys ``o<d>`` and a
-    struct with the piece's origin, shape, source number and bytes."""
+    """One row per (source tile, output tile it overlaps): the output keys ``o<d>`` and the
+    piece's origin, shape, source number and bytes (``piece_<field>``, ``PIECE``)."""
     src = node.sources[m]
     geometry = _piece_geometry(node, m)
     if node.flat:
@@ -64,11 +66,9 @@ def _pieces_select(node: Place, m: int, ref: str) -> exp.Select:
         out_keys.append(target)
     if node.flat and node.shape:
         out_keys = out_keys[:1] + [number(0)] * (len(node.shape) - 1)
-    piece = exp.Struct(expressions=[
-        struct_field("origin", array([o for o, _ in geometry])), struct_field("shape", array([n for _, n in geometry])),
-        struct_field("part", number(m)), struct_field("tile", exp.column("tile", "s")),
-    ])
-    select = exp.select(*[exp.alias_(k, f"o{d}") for d, k in enumerate(out_keys)], exp.alias_(piece, "piece"))
+    piece = [array([o for o, _ in geometry]), array([n for _, n in geometry]), number(m), exp.column("tile", "s")]
+    select = exp.select(*[exp.alias_(k, f"o{d}") for d, k in enumerate(out_keys)],
+                        *(exp.alias_(e, f"piece_{name}") for name, e in zip(PIECE, piece)))
     select = select.from_(blocks.table(ref, "s"))
     for table, on in joins:
         select = select.join(table, on=on)
@@ -86,7 +86,8 @@ def lower_place(node: Place, relations: Relations) -> exp.Select:
     step = PlaceStep(tuple(names), tuple(src.dtype.name for src in node.sources), node.dtype.name,
                      tuple(node.shape), tuple(node.tile), node.flat, node.add)
     out_keys = [exp.column(f"o{d}", "p") for d in range(len(node.shape))]
-    tile = call(PLACE, step, [array([k.copy() for k in out_keys]), exp.ArrayAgg(this=exp.column("piece", "p"))])
+    piece = exp.Struct(expressions=[struct_field(name, exp.column(f"piece_{name}", "p")) for name in PIECE])
+    tile = call(PLACE, step, [array([k.copy() for k in out_keys]), exp.ArrayAgg(this=piece)])
     select = exp.select(*select_keys(out_keys, tile)).from_(exp.Subquery(
         this=pieces, alias=exp.TableAlias(this=exp.to_identifier("p"))))
     return blocks.grouped(select, out_keys)

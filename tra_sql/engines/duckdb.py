@@ -120,11 +120,14 @@ class DuckDBEngine(Engine):
         """``Engine.ensure_kernels``, with the fused contraction aggregates (and the product
         their Arrow macros call) for a program whose split sums of BLAS products the dialect
         may fuse (``FUSED_FROM``), and ``tra_loop_<n>`` and ``tra_loop_chain_<n>`` with
-        ``tra_einsum_<n>``, ``tra_loop_chain_<n>`` with ``tra_chain_<n>`` (``protocol.NATIVE_FORMS``:
-        the dialect writes the steps native loops compute so, ``Dialect.call``)."""
+        ``tra_einsum_<n>``, ``tra_loop_chain_<n>`` with ``tra_chain_<n>``, the placement aggregates
+        with ``tra_place`` (``protocol.NATIVE_FORMS``: the dialect writes the steps native kernels
+        compute so, ``Dialect.call``; the aggregates' Arrow macros call ``tra_place``)."""
         kernels = set(kernels)
         if kernels & FUSED_FROM:
             kernels |= {*protocol.CONTRACTIONS, protocol.CONTRACT}
+        if kernels & set(protocol.PLACEMENTS):  # their Arrow macros call tra_place
+            kernels.add(protocol.PLACE)
         kernels |= {protocol.Kernel(kind, k.arity) for k in kernels for kind in protocol.NATIVE_FORMS.get(k.kind, ())}
         super().ensure_kernels(kernels)
 

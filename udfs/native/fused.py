@@ -76,10 +76,10 @@ def step_text(info, texts, validity, row, noun):
 
 
 @njit(cache=True)
-def step_plan(info, extra, at, length, noun):
+def looked_up(info, extra, at, length, noun):
     """The address of the plan the binding keeps for the step text at ``at`` (``length``
     bytes; the ``LOOKUP`` callback of the function's extra info ``extra`` answers a ``found``
-    record), checked to be of the function's dtype; 0 after reporting why there is none."""
+    record); 0 after reporting why there is none."""
     record = call2(np.uint64(extra[2]), at, np.uint64(length))
     if record == 0:  # the callback failed (it answers every text otherwise)
         corrupt(info, _say(b"no plan for the step of ", noun, b""))
@@ -87,7 +87,16 @@ def step_plan(info, extra, at, length, noun):
     if i64(record, 1)[0] != 0:
         set_error(info, True, u8(record + np.uint64(16), i64(record, 2)[1] + 1))
         return np.uint64(0)
-    plan_at = record + np.uint64(8)
+    return record + np.uint64(8)
+
+
+@njit(cache=True)
+def step_plan(info, extra, at, length, noun):
+    """``looked_up``'s plan, checked to be of the function's dtype; 0 after reporting why
+    there is none."""
+    plan_at = looked_up(info, extra, at, length, noun)
+    if plan_at == 0:
+        return plan_at
     if i64(plan_at, HEADER)[0] != extra[1]:
         corrupt(info, _say(b"the step of ", noun, b" has another dtype than the function"))
         return np.uint64(0)

@@ -25,7 +25,7 @@ from tra_sql.udfs import blas
 from tra_sql.udfs.native import capi, loader
 from tra_sql.udfs.native.capi import CAPI
 from tra_sql.udfs.native.memory import ERROR_PREFIX
-from tra_sql.udfs.protocol import ATTENTIONS, CONTRACTIONS, REDUCTIONS, ChainStep, EinsumStep, Kernel
+from tra_sql.udfs.protocol import ATTENTIONS, CONTRACTIONS, PLACEMENTS, REDUCTIONS, ChainStep, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
 _BIND = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -132,13 +132,17 @@ class NativeKernels:
 
     @staticmethod
     def implements(kernel: Kernel) -> bool:
-        return kernel.kind in NATIVE or kernel in REDUCTIONS or kernel in CONTRACTIONS or kernel.kind in ATTENTIONS
+        return (kernel.kind in NATIVE or kernel in REDUCTIONS or kernel in CONTRACTIONS or kernel.kind in ATTENTIONS
+                or kernel in PLACEMENTS)
 
     def register(self, kernel: Kernel) -> None:
-        """Register ``kernel`` (a kind of ``NATIVE``, a whole-tile reduction or a fused
-        contraction aggregate) under its SQL name."""
+        """Register ``kernel`` (a kind of ``NATIVE``, a whole-tile reduction, a fused
+        contraction, attention or placement aggregate) under its SQL name."""
         if kernel in REDUCTIONS:
             self._register_reduction(kernel)
+            return
+        if kernel in PLACEMENTS:
+            self._register_placement(kernel)
             return
         if kernel in CONTRACTIONS:
             self._register_contraction(kernel)
@@ -181,6 +185,18 @@ class NativeKernels:
         lookup = self._lookup_address("attention_agg", attention.found)
         self._register_aggregate(kernel, attention.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup),
                                  (attention.COMBINE, attention.FINALIZE, aggregate.DESTROY))
+
+    def _register_placement(self, kernel: Kernel) -> None:
+        """A placement aggregate (``native.placement``): pieces summed as the tile sum's states
+        combine, or written and combined by ``placement.COMBINE``."""
+        from tra_sql.udfs.native import aggregate, fused, placement
+
+        lookup = self._lookup_address("place", placement.found)
+        if kernel.kind == "place_agg":
+            self._register_aggregate(kernel, placement.UPDATE, np.array([0, 0, lookup], dtype=np.int64),
+                                     (placement.COMBINE, aggregate.FINALIZE, aggregate.DESTROY))
+        else:
+            self._register_aggregate(kernel, placement.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))
 
     def _lookup_address(self, family: str, found: Callable[[str], tuple[np.ndarray, ...]]) -> int:
         """The address of ``family``'s plan lookup callback (``fused.LOOKUP``), made once."""

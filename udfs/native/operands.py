@@ -204,7 +204,13 @@ def _report(info, aggregate, plan, which, keys, rank, what, held, need, extents,
 @njit(cache=True)
 def _keys(chunk, m, row):
     """Operand ``m``'s keys at ``row`` (a list vector's entry) and whether it is valid."""
-    keys_vec = C.duckdb_data_chunk_get_vector(chunk, 2 + 2 * m)
+    return list_entry(chunk, 2 + 2 * m, row)
+
+
+@njit(cache=True)
+def list_entry(chunk, column, row):
+    """The BIGINT list at ``row`` of ``column`` and whether it and its elements are valid."""
+    keys_vec = C.duckdb_data_chunk_get_vector(chunk, column)
     ok = valid(C.duckdb_vector_get_validity(keys_vec), row)
     entry = u64(C.duckdb_vector_get_data(keys_vec) + np.uint64(16) * np.uint64(row), 2)  # (offset, length)
     child = C.duckdb_list_vector_get_child(keys_vec)
