@@ -103,6 +103,7 @@ def test_hand_written_calls_with_bad_arguments_raise(native):
         "is NULL": {5: None},
         "the step of a placement": {0: "not a step"},
         "dtypes differ": {0: PlaceStep(("A",), ("float32",), "float64", (2, 3), (2, 3), False, False).encode()},
+        "another function's": {0: PlaceStep(("A",), ("float64",), "float64", (2, 3), (2, 3), False, True).encode()},
     }
     for message, changes in cases.items():
         args = [changes.get(i, v) for i, v in enumerate(good)]

@@ -193,7 +193,7 @@ class NativeKernels:
 
         lookup = self._lookup_address("place", placement.found)
         if kernel.kind == "place_agg":
-            self._register_aggregate(kernel, placement.UPDATE, np.array([0, 0, lookup], dtype=np.int64),
+            self._register_aggregate(kernel, placement.UPDATE, np.array([0, -1, lookup], dtype=np.int64),
                                      (placement.COMBINE, aggregate.FINALIZE, aggregate.DESTROY))
         else:
             self._register_aggregate(kernel, placement.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))

@@ -182,6 +182,10 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             if plan_at == 0:
                 return
             head = i64(plan_at, HEADER)
+            if (head[7] if head[1] else -1) != extra[1]:  # the function's extra info: its dtype code, -1 writing
+                corrupt(info, np.frombuffer(b"the step of a placement is another function's (it sums or "
+                                            b"writes its pieces, or has another dtype)", np.uint8))
+                return
             plan = i64(plan_at, HEADER + 2 * head[3] + 2 * head[5])
             scratch = np.empty((7, max(head[3], 1)), np.int64)
             text_at, text_length = at, length
