@@ -8,7 +8,8 @@ The state (16 bytes in DuckDB's state memory) holds the address and length of a 
 own (``malloc``): DuckDB's ``memory_limit`` does not count it and DuckDB cannot spill it
 (``tra_sql.decompose.cost`` charges it). One set of callbacks serves every kind; a function's
 extra info says its aggregate and dtype (``OPS``). The fused contraction aggregate (``fused``)
-has the same state, combine and finalize, with an update of its own."""
+and the placement aggregates (``placement``) have the same state, combine and finalize, with
+updates of their own."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import numpy as np
 from numba import cfunc, njit, types
 
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, put_text, u64, valid
+from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, put_text, u8, u64, valid
 from tra_sql.udfs.protocol import TILE_REDUCTIONS
 
 STATE = 16  # bytes of a state: buffer address, its length
 AGGS = {"sum": 0, "max": 1, "min": 2, "prod": 3}  # the element-wise folds (the ufuncs of AGGREGATES)
 DTYPES = {"float32": 0, "float64": 1}
+OVERLAY = 4  # the fold of states whose tiles hold disjoint pieces, zeros elsewhere: bytes OR-ed (``placement``)
 #: (agg, dtype) -> the function's extra info: its fold and dtype codes
 OPS = {(agg, dtype): np.array([AGGS[agg], DTYPES[dtype]], dtype=np.int64) for agg, dtype in TILE_REDUCTIONS}
 
@@ -50,9 +52,23 @@ def _fold(agg, acc, v):
 
 
 @njit(cache=True)
+def _overlay(target, source, nbytes) -> None:
+    """OR the ``nbytes`` at ``source`` into those at ``target``."""
+    words = nbytes // 8
+    to, of = u64(target, words), u64(source, words)
+    for i in range(words):
+        to[i] |= of[i]
+    rest, start = u8(target, nbytes), u8(source, nbytes)
+    for i in range(8 * words, nbytes):
+        rest[i] |= start[i]
+
+
+@njit(cache=True)
 def _combine(ops, target, source, nbytes):
     """Fold the ``nbytes`` of tile elements at ``source`` into those at ``target``."""
-    if ops[1] == 0:
+    if ops[0] == OVERLAY:
+        _overlay(target, source, nbytes)
+    elif ops[1] == 0:
         _fold(ops[0], f32(target, nbytes // 4), f32(source, nbytes // 4))
     else:
         _fold(ops[0], f64(target, nbytes // 8), f64(source, nbytes // 8))

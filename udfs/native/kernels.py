@@ -187,16 +187,14 @@ class NativeKernels:
                                  (attention.COMBINE, attention.FINALIZE, aggregate.DESTROY))
 
     def _register_placement(self, kernel: Kernel) -> None:
-        """A placement aggregate (``native.placement``): pieces summed as the tile sum's states
-        combine, or written and combined by ``placement.COMBINE``."""
+        """A placement aggregate (``native.placement``): its states combine as the tile sum's
+        (summed pieces) or OR-ed (``aggregate.OVERLAY``: written pieces; dtype code -1)."""
         from tra_sql.udfs.native import aggregate, fused, placement
 
         lookup = self._lookup_address("place", placement.found)
-        if kernel.kind == "place_agg":
-            self._register_aggregate(kernel, placement.UPDATE, np.array([0, -1, lookup], dtype=np.int64),
-                                     (placement.COMBINE, aggregate.FINALIZE, aggregate.DESTROY))
-        else:
-            self._register_aggregate(kernel, placement.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))
+        extra = (np.array([aggregate.OVERLAY, -1, lookup], dtype=np.int64) if kernel.kind == "place_agg"
+                 else fused.extra_info(kernel.kind.split("_")[-1], lookup))
+        self._register_aggregate(kernel, placement.UPDATE, extra)
 
     def _lookup_address(self, family: str, found: Callable[[str], tuple[np.ndarray, ...]]) -> int:
         """The address of ``family``'s plan lookup callback (``fused.LOOKUP``), made once."""

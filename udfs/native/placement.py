@@ -5,10 +5,11 @@ overlap with the tile straight into the group's state, ``place_add_<dtype>`` add
 sum), as ``tra_place`` assembles them from a list, without the list.
 
 The state is a whole-tile sum's (``aggregate``: the output tile ``malloc``ed, zeroed, outside
-DuckDB's memory_limit). Written pieces do not overlap, so two states of one tile combine by
-OR-ing their bytes (``COMBINE``: exact for every dtype, ``-0.0`` included); summed pieces combine
-as the tile sum's states do. The step comes as text, as the fused contraction's does: its plan
-(``found``: the layout below) from the binding's ``LOOKUP`` callback. Every argument is
+DuckDB's memory_limit), and so are its combine, finalize and destructor: written pieces do not
+overlap, so two states of one tile combine by OR-ing their bytes (``aggregate.OVERLAY``: exact
+for every dtype, ``-0.0`` included); summed pieces combine as the tile sum's states do. The
+step comes as text, as the fused contraction's does: its plan (``found``: the layout below)
+from the binding's ``LOOKUP`` callback, refused if it is the other function's. Every argument is
 checked before a byte is copied: the output keys inside the result's grid, the piece's origin
 and shape of the placement's rank, its part one of the step's sources, its tile exactly as long
 as its shape needs; a bad one is a ``CorruptTileError`` naming the source tensor."""
@@ -20,7 +21,7 @@ from numba import cfunc, njit, types
 
 from tra_sql.udfs.native.aggregate import corrupt, memcpy
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.fused import error_record, looked_up, step_text
+from tra_sql.udfs.native.fused import EXTRA, error_record, looked_up, step_text
 from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, i64, put_int, put_text, u8, u64, valid
 from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
 from tra_sql.udfs.protocol import FLOATS, PlaceStep, placement_aggregate
@@ -162,7 +163,7 @@ def _copy(plan, out, out_origin, out_extents, piece, origin, extents, rank, lo, 
 @cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
-    extra = i64(C.duckdb_aggregate_function_get_extra_info(info), 3)
+    extra = i64(C.duckdb_aggregate_function_get_extra_info(info), EXTRA)
     steps = C.duckdb_data_chunk_get_vector(chunk, 0)
     texts, validity = C.duckdb_vector_get_data(steps), C.duckdb_vector_get_validity(steps)
     parts = C.duckdb_data_chunk_get_vector(chunk, 4)
@@ -228,33 +229,3 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             return
         _copy(plan, state[0], out_origin, out_extents, piece, origin, extents, rank, scratch[4], scratch[5],
               scratch[6])
-
-
-@njit(cache=True)
-def _overlay(target, source, nbytes) -> None:
-    """OR the ``nbytes`` at ``source`` into those at ``target``."""
-    words = nbytes // 8
-    to, of = u64(target, words), u64(source, words)
-    for i in range(words):
-        to[i] |= of[i]
-    rest, start = u8(target, nbytes), u8(source, nbytes)
-    for i in range(8 * words, nbytes):
-        rest[i] |= start[i]
-
-
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64), cache=True)
-def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
-    info = address(info_ptr)
-    sources, targets = u64(address(sources_ptr), count), u64(address(targets_ptr), count)
-    for i in range(count):
-        source, target = u64(sources[i], 2), u64(targets[i], 2)
-        if source[0] == 0:
-            continue
-        if target[0] == 0:  # the target takes the source's buffer
-            target[0], target[1] = source[0], source[1]
-            source[0], source[1] = 0, 0
-        elif target[1] != source[1]:
-            corrupt(info, np.frombuffer(b"a placement's states of one output tile differ in size", np.uint8))
-            return
-        else:
-            _overlay(target[0], source[0], target[1])
