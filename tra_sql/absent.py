@@ -41,14 +41,13 @@ def absorbs(join: str | None, agg: str, m: int) -> bool:
     return join is None or _factor(parse_join(join), f"x{m}")
 
 
-def filters_keys(node: Einsum) -> bool:
-    """Whether ``node``'s join ignores an operand: that operand then only selects tiles (a
-    gradient kept at a relation's keys), so its tiling is part of the answer and a plan must
-    read it as written."""
+def ignored_operands(node: Einsum) -> tuple[int, ...]:
+    """The operands ``node``'s join ignores: they only select tiles (a gradient kept at a
+    relation's keys), so their tiles' keys are part of the answer."""
     if node.join is None:
-        return False
+        return ()
     used = {c.name for c in parse_join(node.join).find_all(exp.Column) if not c.table}
-    return any(f"x{m}" not in used for m in range(len(node.operands)))
+    return tuple(m for m in range(len(node.operands)) if f"x{m}" not in used)
 
 
 def _factor(expr: exp.Expression, name: str) -> bool:

@@ -100,7 +100,7 @@ def build(problem: Problem, consts: Constants, budget: Budget, axis_cands: dict[
         c = [axis_cands[a] for a in op.axes]
         key = (str(op.node.spec), op.sizes, op.node.join, op.node.agg, op.node.dtype.name,
                tuple((x.nbytes, x.fixed, x.node.tile if x.fixed else None, x.op is None) for x in op.inputs),
-               tuple(op.fixed_consumers), tuple(map(tuple, c)))
+               tuple(op.fixed_consumers), tuple(map(tuple, c)), op.pinned and op.written)
         if key not in cache:
             st = states(op, c)
             oc = op_cost(op, st.Q, consts, budget)
@@ -114,6 +114,8 @@ def build(problem: Problem, consts: Constants, budget: Budget, axis_cands: dict[
             for f in op.fixed_consumers:
                 rep = repartition(op.out_bytes, consts, budget)
                 u = u + rep(st.out_code == code1(f), tiles_out, prod(f))
+            if op.pinned:
+                u = np.where(np.all(st.Q == np.array(op.written), axis=1), u, np.inf)
             cache[key] = (st, oc, u, tiles_out, tiles_in)
         st, oc, u, tiles_out, tiles_in = cache[key]
         cands.append(c)

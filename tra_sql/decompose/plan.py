@@ -15,7 +15,7 @@ from math import ceil, prod
 
 import numpy as np
 
-from tra_sql import absent, graph
+from tra_sql import graph
 from tra_sql.decompose import search
 from tra_sql.decompose.cost import (
     BAND_FILL,
@@ -28,7 +28,7 @@ from tra_sql.decompose.cost import (
     scan_memory,
 )
 from tra_sql.decompose.model import Model, axis_candidates, build
-from tra_sql.decompose.problem import CONSTANT, OP, RETILE, extract, producer, role
+from tra_sql.decompose.problem import CONSTANT, OP, RETILE, extract, pinned, producer, role
 from tra_sql.errors import ShapeError, SpecError, TraError
 from tra_sql.graph import Einsum, Node, topological
 
@@ -228,22 +228,17 @@ def _size(n: float) -> str:
     return f"{n:.0f}B"
 
 
-def as_written(node: Einsum) -> bool:
-    """Whether a plan must run ``node`` in its own tiling: a CSR operand cannot be re-tiled,
-    and an operand the join ignores selects tiles (``absent.filters_keys``)."""
-    return any(op.layout != "dense" for op in node.operands) or absent.filters_keys(node)
-
-
 def rebuild(root: Node, parts: dict[int, tuple[int, ...]]) -> Node:
     """Rebuild the DAG: each planned einsum reads its operands re-tiled to
     ``ceil(size / parts)`` per index; other nodes keep the tilings they had."""
     memo: dict[int, Node] = {}
+    kept = pinned(root)
 
     def visit(node: Node) -> Node:
         if id(node) in memo:
             return memo[id(node)]
         kind = role(node)
-        if kind == OP and id(node) in parts and not as_written(node):
+        if kind == OP and id(node) in parts and id(node) not in kept:
             new = _planned(node, parts[id(node)], visit)
         elif kind == RETILE:
             new = graph.retile(visit(producer(node)), node.tile)

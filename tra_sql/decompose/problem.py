@@ -17,6 +17,7 @@ from math import ceil, prod
 
 import numpy as np
 
+from tra_sql import absent
 from tra_sql.aggregates import AGGREGATES
 from tra_sql.graph import Einsum, Fill, Node, Place, topological
 from tra_sql.kinds import Rules
@@ -71,6 +72,25 @@ def producer(node: Node) -> Node:
     return node
 
 
+def as_written(node: Einsum) -> bool:
+    """Whether a plan must run ``node`` in its own tiling: a CSR operand cannot be re-tiled,
+    and an operand the join ignores selects tiles (``absent.ignored_operands``)."""
+    return any(op.layout != "dense" for op in node.operands) or bool(absent.ignored_operands(node))
+
+
+def pinned(root: Node) -> set[int]:
+    """The ids of the nodes a plan must leave in their own tiling: the einsums ``as_written``,
+    and every node an operand their join ignores is computed from (a re-tiling of a relation
+    lacking tiles changes which tiles it has, and those tiles' keys are the answer's)."""
+    out: set[int] = set()
+    for node in topological(root):
+        if role(node) == OP and as_written(node):
+            out.add(id(node))
+            for m in absent.ignored_operands(node):
+                out.update(id(n) for n in topological(node.operands[m]))
+    return out
+
+
 def parts_of(node: Node) -> tuple[int, ...]:
     return tuple(node.grid)
 
@@ -99,6 +119,7 @@ class Op:
     inputs: list[Input]
     fixed_consumers: list[tuple[int, ...]] = field(default_factory=list)  # tilings read by non-einsum consumers
     written: tuple[int, ...] = ()    # parts per index as the DAG is written
+    pinned: bool = False             # the plan must keep the written tiling (``pinned``)
 
     @property
     def agg(self) -> tuple[int, ...]:
@@ -167,6 +188,7 @@ class _Axes:
 def extract(root: Node) -> Problem:
     """The planning problem of the DAG under ``root``."""
     order = topological(root)
+    kept = pinned(root)
     einsums = [n for n in order if role(n) == OP]
     index = {id(n): i for i, n in enumerate(einsums)}
     axes = _Axes()
@@ -203,7 +225,8 @@ def extract(root: Node) -> Problem:
             op_axes.append(axes.find((id(where[0]), where[1])))
         ops.append(Op(node, indices, tuple(sizes[c] for c in indices), tuple(op_axes),
                       tuple(indices.index(c) for c in spec.output), inputs,
-                      written=tuple(normalize(sizes[c], ceil(sizes[c] / tiles[c])) for c in indices)))
+                      written=tuple(normalize(sizes[c], ceil(sizes[c] / tiles[c])) for c in indices),
+                      pinned=id(node) in kept))
     # non-einsum consumers read an op's output in the tiling the DAG gives them
     for node in order:
         if role(node) in (OP, RETILE):
