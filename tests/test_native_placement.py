@@ -2,7 +2,8 @@
 reshapes and keyed sums over random shapes and ragged tilings equal NumPy and the Arrow path
 (``tra_place`` over a list) and run as ``tra_place_agg`` / ``tra_place_add_<dtype>``; a piece
 whose bytes, geometry or step are bad raises ``CorruptTileError`` (or the step's error) naming
-what is wrong, and the process survives."""
+what is wrong, and the process survives. Constant tiles (udfs/native/fill.py) are the Arrow
+path's bytes, and keys outside the grid raise."""
 
 import duckdb
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import tra_sql
 from tra_sql.udfs.native import loader
-from tra_sql.udfs.protocol import PLACEMENTS, PlaceStep
+from tra_sql.udfs.protocol import FILL, PLACEMENTS, FillStep, PlaceStep
 
 pytestmark = pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
 
@@ -118,3 +119,32 @@ def test_many_pieces_on_two_threads(native, rng):
     A = native.from_numpy("A", a, (7, 2000), replace=True)
     np.testing.assert_array_equal(A.retile((1000, 3)).numpy(), a)
     np.testing.assert_allclose(native.add(A, A.retile((1000, 3))).numpy(), 2 * a, rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype, value", [("float32", -0.0), ("float64", float("nan")), ("float32", 0.1),
+                                          ("float64", -1.5), ("int32", -7), ("int64", 2**40)])
+@pytest.mark.parametrize("shape, tile", [((), ()), ((5,), (2,)), ((3, 7, 2), (2, 3, 2)), ((4096,), (4096,))])
+def test_constant_tiles_are_the_arrow_paths_bytes(native, arrow, dtype, value, shape, tile):
+    if dtype.startswith("int") and np.iinfo(dtype).max < value:
+        pytest.skip("the value does not fit the dtype")
+    tiles = {}
+    for db in (native, arrow):
+        t = db.full(shape, value, dtype=dtype, tile=tile)
+        expected = np.full(shape, value, dtype=dtype)
+        np.testing.assert_array_equal(np.signbit(t.numpy()), np.signbit(expected))
+        np.testing.assert_array_equal(t.numpy(), expected)
+        tiles[db is native] = sorted(db.engine.con.execute(t.sql()).fetchall())
+    assert tiles[True] == tiles[False]
+    assert any(kind == "fill" for kind, _ in native.engine.native.plans)
+
+
+def test_constant_tiles_at_bad_keys_raise(native):
+    native.engine.ensure_kernels([FILL])
+    step = FillStep("float64", (5, 3), (2, 3), 1.0).encode()
+    got = native.engine.con.execute("SELECT tra_fill(?, ?)", [step, [2, 0]]).fetchall()[0][0]
+    assert np.frombuffer(got, np.float64).tolist() == [1.0] * 3  # the ragged last row of tiles
+    for keys in ([3, 0], [0, 1], [-1, 0], [0], [0, 0, 0], None, [0, None]):
+        with pytest.raises(duckdb.Error, match="CorruptTileError: a constant tensor's output keys are NULL or "
+                                               "outside its tile grid"):
+            native.engine.con.execute("SELECT tra_fill(?, ?::BIGINT[])", [step, keys]).fetchall()
+    assert native.engine.con.execute("SELECT 1").fetchall() == [(1,)]

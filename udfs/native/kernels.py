@@ -68,10 +68,25 @@ def _chain() -> Native:
     return Native(callback, plan)
 
 
+def _fill() -> Native:
+    """The constant-tile kernel (``fill.KERNEL``), specialised by its step's plan (``fill.plan``)."""
+    def callback() -> int:
+        from tra_sql.udfs.native import fill
+
+        return fill.KERNEL.address
+
+    def plan(text: str) -> tuple[np.ndarray, ...]:
+        from tra_sql.udfs.native import fill
+
+        return fill.plan(text)
+    return Native(callback, plan)
+
+
 #: kind -> its native implementation: the BLAS product (``contract.gemm_form``), the steps
 #: ``contract.native_loop`` accepts and the chains ``contract.native_chain`` accepts
-#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``)
-NATIVE: dict[str, Native] = {"contract": _row("contract"), "loop": _row("loop"), "loop_chain": _chain()}
+#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``), constant tiles
+NATIVE: dict[str, Native] = {"contract": _row("contract"), "loop": _row("loop"), "loop_chain": _chain(),
+                             "fill": _fill()}
 
 
 def requested() -> bool:
