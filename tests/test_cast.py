@@ -1,10 +1,12 @@
 """``Tensor.astype`` (``tra_sql.ops.cast``): values against NumPy over ragged tilings for every
 dtype pair, casts inside larger programs, gradients against PyTorch, planned runs, absent
-tiles, Spark, and the errors (bad dtype, CSR operand, corrupt tile, NaN to int)."""
+tiles, Spark, and the errors (bad dtype, CSR operand, corrupt tile, NaN to int); the native
+kernel against the Arrow UDF, bit for bit, and its checks of every argument."""
 
 import os
 import shutil
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -15,6 +17,8 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql import CorruptTileError, DTypeError, ShapeError
 from tra_sql.ops.cast import Cast
+from tra_sql.udfs.cast import CAST, CastStep
+from tra_sql.udfs.native import loader
 
 DTYPES = ["float32", "float64", "int32", "int64"]
 
@@ -153,3 +157,54 @@ def test_spark_matches_duckdb(rng):
         out = sdb.einsum("ij,jk->ik", A.astype("int32").astype("float32"), A.T.astype("float32"))
         expected = a.astype("int32").astype("float32") @ a.T.astype("float32")
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e300 to float32: inf
+@pytest.mark.parametrize("source", DTYPES)
+@pytest.mark.parametrize("target", DTYPES)
+def test_native_casts_are_the_arrow_paths_bytes(native, arrow, source, target):
+    """The native kernel (udfs/native/cast.py) writes what the Arrow UDF does: -0.0 and NaN
+    kept, float64 to float32 rounded to nearest, integers wrapped, floats truncated."""
+    if source == target:
+        pytest.skip("no cast")
+    rng = np.random.default_rng(3)
+    edges = {"f": [-0.0, 0.1, -2.5, 1e-40], "i": [2**31 - 1, -(2**31), 7, -7, 0]}[np.dtype(source).kind]
+    if source == "float64":
+        edges += [2.0**31 - 0.5, -(2.0**31) - 0.5]  # truncated into int32's range
+    if np.dtype(source).kind == "f" and target in ("float32", "float64"):
+        edges += [np.nan, np.inf, 1e300 if source == "float64" else 1e30]
+    if source == "int64":
+        edges += [2**40 + 3, -(2**53) - 1]
+    x = np.concatenate([np.array(edges), values(rng, 35, "float64")]).astype(source)[:35].reshape(5, 7)
+    tiles = {}
+    for db in (native, arrow):
+        t = db.from_numpy("x", x, tile=(2, 3), replace=True).astype(target)
+        got = t.numpy()
+        np.testing.assert_array_equal(got.view(np.uint8), x.astype(target).view(np.uint8))  # bit for bit
+        tiles[db is native] = sorted(db.engine.con.execute(t.sql()).fetchall())
+    assert tiles[True] == tiles[False]
+    assert any(kind == "cast" for kind, _ in native.engine.native.plans)
+
+
+@pytest.mark.skipif(loader.built() is None, reason="the native extension is not built")
+def test_native_cast_checks_every_argument(native):
+    native.engine.ensure_kernels([CAST])
+    step = CastStep("A", "float64", "int32", (5, 3), (2, 3)).encode()
+    call = "SELECT tra_cast(?, ?::BIGINT[], ?::BLOB)"
+    good = np.arange(3.0).tobytes()
+    got = native.engine.con.execute(call, [step, [2, 0], good]).fetchall()[0][0]
+    assert got == np.arange(3, dtype="int32").tobytes()
+    for keys in ([3, 0], [0, 1], [0], None):
+        with pytest.raises(duckdb.Error, match="CorruptTileError: a tile of tensor 'A' has NULL keys or keys outside"):
+            native.engine.con.execute(call, [step, keys, good]).fetchall()
+    with pytest.raises(duckdb.Error, match=r"CorruptTileError: tile \(2, 0\) of tensor 'A' is NULL"):
+        native.engine.con.execute(call, [step, [2, 0], None]).fetchall()
+    for short in (b"", good[:5], good[:20]):
+        with pytest.raises(duckdb.Error, match=rf"tile \(2, 0\) of tensor 'A' holds {len(short)} bytes; its shape "
+                                               "needs 24"):
+            native.engine.con.execute(call, [step, [2, 0], short]).fetchall()
+    with pytest.raises(duckdb.Error, match=r"DTypeError: tile \(2, 0\) of tensor 'A' holds NaN, an infinity or a "
+                                           "value outside int32's range: it cannot be cast to int32"):
+        native.engine.con.execute(call, [step, [2, 0], np.array([0, np.nan, 1]).tobytes()]).fetchall()
+    assert native.engine.con.execute("SELECT 1").fetchall() == [(1,)]

@@ -11,6 +11,7 @@ the step's text (``_lookup``)."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -68,25 +69,23 @@ def _chain() -> Native:
     return Native(callback, plan)
 
 
-def _fill() -> Native:
-    """The constant-tile kernel (``fill.KERNEL``), specialised by its step's plan (``fill.plan``)."""
+def _module(name: str) -> Native:
+    """The kernel of module ``udfs.native.<name>`` (its ``KERNEL``), specialised by its step's
+    plan (its ``plan``)."""
     def callback() -> int:
-        from tra_sql.udfs.native import fill
-
-        return fill.KERNEL.address
+        return importlib.import_module(f"tra_sql.udfs.native.{name}").KERNEL.address
 
     def plan(text: str) -> tuple[np.ndarray, ...]:
-        from tra_sql.udfs.native import fill
-
-        return fill.plan(text)
+        return importlib.import_module(f"tra_sql.udfs.native.{name}").plan(text)
     return Native(callback, plan)
 
 
 #: kind -> its native implementation: the BLAS product (``contract.gemm_form``), the steps
 #: ``contract.native_loop`` accepts and the chains ``contract.native_chain`` accepts
-#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``), constant tiles
+#: (``compile.dialect`` writes those as ``tra_loop_<n>`` and ``tra_loop_chain_<n>``), constant
+#: tiles and dtype conversions
 NATIVE: dict[str, Native] = {"contract": _row("contract"), "loop": _row("loop"), "loop_chain": _chain(),
-                             "fill": _fill()}
+                             "fill": _module("fill"), "cast": _module("cast")}
 
 
 def requested() -> bool:
