@@ -17,6 +17,28 @@ def test_round_trip_ragged(db, rng, dtype):
     np.testing.assert_array_equal(db.tensor("T").numpy(), array)
 
 
+@pytest.mark.parametrize("tile", [(13, 7), (4, 7), (13, 3), (4, 3)])
+def test_fetched_arrays_are_writable_and_their_own(db, rng, tile):
+    """Tiles that already lie in the array's order (a tiling of the first dimension, every
+    tile there, in key order) become the array without a copy; the array is writable and
+    stays right when the result it came from is gone, whatever order the rows came in."""
+    array = rng.standard_normal((13, 7))
+    t = db.einsum("ij->ij", db.from_numpy("T", array, tile=tile))
+    tiles = t.arrow()
+    for rows in (tiles, tiles.take(np.arange(tiles.num_rows)[::-1])):
+        got = tra_sql.catalog.assemble(tra_sql.catalog.TensorInfo("T", t.dtype, t.shape, t.tile), rows)
+        np.testing.assert_array_equal(got, array)
+        got[0, 0] = 99.0
+        assert got[0, 0] == 99.0
+    del tiles, rows
+    fetched = t.numpy()
+    assert fetched.flags.writeable and fetched.flags.c_contiguous
+    assert fetched.flags.owndata == (tile[1] < 7)  # in place where the tiles lie in order
+    fetched += 1
+    db.einsum("ij->ij", db.tensor("T")).numpy()  # other results do not reuse its memory
+    np.testing.assert_array_equal(fetched, array + 1)
+
+
 def test_tiles_are_c_order_bytes_with_integer_keys(db):
     array = np.arange(12, dtype=np.float64).reshape(3, 4)
     db.from_numpy("M", array, tile=(2, 3))

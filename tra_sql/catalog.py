@@ -3,6 +3,7 @@ findings of a catalog check, and moving tiles between NumPy and Arrow."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
 from dataclasses import dataclass
@@ -162,10 +163,26 @@ def _assemble_csr(info: TensorInfo, out: np.ndarray, keys, shapes, data, offsets
     return out
 
 
+def _in_place(info: TensorInfo, keys: np.ndarray, data: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    """The array as the tiles' bytes where they lie in ``data`` (no copy, writable, keeping
+    ``data`` and its Arrow buffer alive) when those are already its bytes in order: every
+    tile present, in key order, the tiling cutting the first dimension only (a one-tile
+    tensor always); else None."""
+    if not info.shape or any(g != 1 for g in info.grid[1:]) or len(keys) != info.grid[0]:
+        return None
+    at = data.ctypes.data + int(offsets[0])
+    if (keys[:, 0] != np.arange(len(keys))).any() or at % info.dtype.itemsize:
+        return None
+    memory = (ctypes.c_uint8 * int(offsets[-1] - offsets[0])).from_address(at)
+    memory.data = data  # the Arrow buffer stays while the array does
+    return np.frombuffer(memory, dtype=info.dtype).reshape(info.shape)
+
+
 def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
     """Lay the tiles of a tile relation into one array; absent tiles are zeros. Tiles are
-    checked against the catalog's geometry; full-size tiles are placed in one vectorized
-    step, ragged boundary tiles one by one."""
+    checked against the catalog's geometry; tiles that already lie in the array's order are
+    its memory (``_in_place``), full-size tiles are placed in one vectorized step, ragged
+    boundary tiles one by one."""
     out = np.zeros(info.shape, dtype=info.dtype)
     if tiles.num_rows == 0:
         return out
@@ -190,6 +207,9 @@ def assemble(info: TensorInfo, tiles: pa.Table) -> np.ndarray:
         held = "is NULL" if not valid[i] else f"holds {offsets[i + 1] - offsets[i]} bytes"
         raise CorruptTileError(f"tile {tuple(int(k) for k in keys[i])} of tensor '{info.name}' {held}; shape "
                                f"{tuple(int(n) for n in shapes[i])} and dtype {info.dtype} need {expected[i]}")
+    in_place = _in_place(info, keys, data, offsets)
+    if in_place is not None:
+        return in_place
     full = (shapes == tile).all(axis=1)
     if rank and full.all() and all(n % t == 0 for n, t in zip(info.shape, info.tile)):
         grid = [n // t for n, t in zip(info.shape, info.tile)]
