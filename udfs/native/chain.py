@@ -34,6 +34,7 @@ from tra_sql.udfs.native.operands import (
     sources,
     tables,
 )
+from tra_sql.udfs.native.results import finish, reserve
 from tra_sql.udfs.protocol import ChainStep
 
 SECTION = 5  # words of the chain section's header
@@ -45,8 +46,11 @@ def plan(chain: ChainStep) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("the chain is not one of dense float steps a native kernel computes")
     leaves, dtype = chain.leaves, chain.leaves.out_dtype
     index = indices(leaves.inputs, leaves.output)
+    last = chain.steps[-1]
+    largest = np.dtype(dtype).itemsize * int(np.prod([min(last.tiles[c], last.sizes[c]) for c in last.output],
+                                                     dtype=np.int64))
     head, text = tables(dtype, leaves.inputs, leaves.names, dimensions(leaves, index), [], [], (0, 0, 0), 0, 0,
-                        len(leaves.inputs), len(index))
+                        len(leaves.inputs), len(index), largest=largest)
     records = []
     for step in chain.steps:
         form = gemm_form(step)
@@ -101,9 +105,12 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
             for d in range(plan[r + 5]):
                 result_extents[k, d] = step_extents[plan[outs + d]]
                 nbytes *= result_extents[k, d]
-            if nbytes > len(buffers[k]):
-                buffers[k] = np.empty(nbytes, np.uint8)
-            results[k] = buffers[k].ctypes.data
+            if k == count - 1:  # the last result is written in the BLOB DuckDB allocates (``reserve``)
+                results[k] = reserve(output, row, np.uint64(plan[18]), nbytes)
+            else:
+                if nbytes > len(buffers[k]):
+                    buffers[k] = np.empty(nbytes, np.uint8)
+                results[k] = buffers[k].ctypes.data
             if nbytes and plan[r] == 0:
                 sizes[:] = 1
                 for j in range(2):
@@ -116,4 +123,4 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
                 unlock(np.uint64(plan[5]))
             elif nbytes:
                 call3(np.uint64(plan[r]), results[k], step_tiles.ctypes.data, step_extents.ctypes.data)
-        C.duckdb_vector_assign_string_element_len(output, row, results[count - 1], nbytes)
+        finish(output, row)

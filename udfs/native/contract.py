@@ -5,7 +5,8 @@ info, input chunk, output vector); the call's bind data is its step's plan (``op
 Every tile is checked first (``operands.operands``); the result is NumPy's ``cblas_?gemm``
 of the first two (a product ``contract.gemm_form`` reads as stored) or the step's generated
 loop body (``loops``), then, with an epilogue, the epilogue's loop body over it and the
-epilogue's other tiles (the call's trailing arguments), in place."""
+epilogue's other tiles (the call's trailing arguments), in place; all of it in the result BLOB
+DuckDB allocated (``results.reserve``), so the result is written once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import address, call3, i64
 from tra_sql.udfs.native.operands import HEADER, OPERAND, gemm_sizes, operands, out_bytes, plan_length
+from tra_sql.udfs.native.results import finish, reserve
 
 
 @njit(cache=True)
@@ -74,14 +76,11 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
     tiles, extents = np.empty(plan[2], np.uint64), np.empty(max(plan[13], 1), np.int64)
     seen, sizes = np.empty(2 * plan[14], np.int64), np.empty(4, np.int64)
     epi_tiles, epi_extents = np.empty(plan[12], np.uint64), np.empty(plan[11] + plan[13], np.int64)
-    scratch = np.empty(0, np.uint8)
     for row in range(C.duckdb_data_chunk_get_size(chunk)):
         if not operands(info, False, plan, chunk, row, tiles, extents, seen):
             return
         nbytes = out_bytes(plan, extents)
-        if nbytes > len(scratch):
-            scratch = np.empty(nbytes, np.uint8)
-        out = scratch.ctypes.data
+        out = reserve(output, row, np.uint64(plan[18]), nbytes)  # the result is written there, once
         if nbytes and plan[9] == 0:
             gemm_sizes(plan, extents, sizes)
             lock(np.uint64(plan[5]))  # BLAS uses every core: one product at a time
@@ -91,4 +90,4 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
             call3(np.uint64(plan[9]), out, tiles.ctypes.data, extents.ctypes.data)
         if nbytes and plan[10]:
             _epilogue(plan, out, tiles, extents, epi_tiles, epi_extents)
-        C.duckdb_vector_assign_string_element_len(output, row, out, nbytes)
+        finish(output, row)

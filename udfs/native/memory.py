@@ -76,6 +76,11 @@ def u64(at, n):
 
 
 @njit(cache=True)
+def u32(at, n):
+    return carray(_UINT32(at), (n,))
+
+
+@njit(cache=True)
 def i32(at, n):
     return carray(_INT32(at), (n,))
 
@@ -147,3 +152,4 @@ def put_int(out, at, value):
         out[at] = digits[n - 1 - i]
         at += 1
     return at
+

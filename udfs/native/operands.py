@@ -18,7 +18,7 @@ from numba import njit
 from tra_sql.udfs import cores, sparse
 from tra_sql.udfs.contract import gemm_form, native_loop
 from tra_sql.udfs.expr import join_code
-from tra_sql.udfs.native import loops
+from tra_sql.udfs.native import loops, results
 from tra_sql.udfs.native import sparse as native_sparse
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import CORRUPT, blob, i64, put_int, put_text, u8, u64, valid
@@ -30,11 +30,12 @@ from tra_sql.udfs.protocol import EinsumStep
 # the dtype's name), the kernels' mutex (``cores``), trans_a, trans_b, swap (a BLAS product),
 # the step's loop body and the epilogue's (``loops``; 0: the BLAS product, no epilogue), the
 # output's rank, the epilogue's operands, dimensions, indices, (offset, length) of the dtype's
-# name, the CSR operand (``native.sparse``; -1: none); then per operand (rank, its first
+# name, the CSR operand (``native.sparse``; -1: none), the address of zeros as long as the
+# largest result tile (``results.zeros``); then per operand (rank, its first
 # dimension, offset and length of its name); per
 # output dimension the dimension its extent is read from; per epilogue operand the operand
 # it is (-1: the step's result); per dimension (size, tile, index, BLAS group)
-HEADER = 18
+HEADER = 19
 OPERAND = 4
 DIM = 4
 MESSAGE = 512
@@ -100,15 +101,18 @@ def sources(inputs, output: str) -> list[int]:
 
 
 def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue: int, own: int,
-           count: int, csr: int = -1) -> tuple[np.ndarray, np.ndarray]:
-    """The plan (see the layout above) and its text."""
+           count: int, csr: int = -1, largest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The plan (see the layout above) and its text; ``largest``: the bytes of the largest
+    result tile, if not that of the output ``out`` gives."""
     words = [name.encode() for name in names] + [dtype.encode()]
     text = np.frombuffer(b"".join(words) + b"\x00", dtype=np.uint8).copy()
     starts = np.cumsum([0] + [len(w) for w in words])
     firsts = np.cumsum([0] + [len(sub) for sub in subs])
+    if largest is None:
+        largest = np.dtype(dtype).itemsize * int(np.prod([min(dims[d][1], dims[d][0]) for d in out], dtype=np.int64))
     header = [0 if dtype == "float32" else 1, np.dtype(dtype).itemsize, len(subs), own, text.ctypes.data,
               cores.MUTEX, *blas, body, epilogue, len(out), len(slots), len(dims), count, int(starts[-2]),
-              len(words[-1]), csr]
+              len(words[-1]), csr, results.zeros(largest)]
     for m, sub in enumerate(subs):
         header += [len(sub), int(firsts[m]), int(starts[m]), len(words[m])]
     return np.array(header + list(out) + list(slots) + [v for dim in dims for v in dim], dtype=np.int64), text
