@@ -1,7 +1,8 @@
 """The native dtype conversion kernel (kind ``cast``, ``tra_cast(step, keys, tile)``): each
 row's tile converted to the step's dtype as the Arrow UDF ``udfs.cast.cast`` converts it
 (NumPy's unsafe cast: floats to integers truncate toward zero, integers wrap, float64 to
-float32 rounds to nearest), read where DuckDB holds it and written once.
+float32 rounds to nearest), read where DuckDB holds it and written once, in the BLOB DuckDB
+allocates (``results.reserve``).
 
 Before a byte is read, the row's keys are checked against the tensor's grid and its tile's
 length against the extents they give; a float tile with an element that truncates to no value
@@ -14,6 +15,7 @@ import numpy as np
 from numba import cfunc, njit, types
 
 from tra_sql.udfs.cast import CastStep
+from tra_sql.udfs.native import results
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.memory import (
     CORRUPT,
@@ -30,12 +32,14 @@ from tra_sql.udfs.native.memory import (
     valid,
 )
 from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
+from tra_sql.udfs.native.results import finish, reserve
 
 DTYPES = ("float32", "float64", "int32", "int64")  # a dtype's code is its place here
 # plan: the source's dtype code and itemsize, the target's, the rank, the address of the text
-# (the tensor's name, then the target dtype's), the name's length, the target name's length;
-# then shape and tile per dimension
-HEADER = 8
+# (the tensor's name, then the target dtype's), the name's length, the target name's length,
+# the address of zeros as long as the largest result tile (``results.zeros``); then shape and
+# tile per dimension
+HEADER = 9
 NOT_INTEGRAL = np.frombuffer(f"{ERROR_PREFIX}DTypeError: ".encode(), np.uint8)
 
 
@@ -46,8 +50,10 @@ def plan(text: str) -> tuple[np.ndarray, ...]:
         raise ValueError(f"no native conversion from {step.source} to {step.dtype}")
     name, target = step.name.encode(), step.dtype.encode()
     chars = np.frombuffer(name + target + b"\x00", np.uint8).copy()
+    largest = np.dtype(step.dtype).itemsize * int(np.prod(np.minimum(step.tile, step.shape), dtype=np.int64))
     head = [DTYPES.index(step.source), np.dtype(step.source).itemsize, DTYPES.index(step.dtype),
-            np.dtype(step.dtype).itemsize, len(step.shape), chars.ctypes.data, len(name), len(target)]
+            np.dtype(step.dtype).itemsize, len(step.shape), chars.ctypes.data, len(name), len(target),
+            results.zeros(largest)]
     return np.array([*head, *step.shape, *step.tile], dtype=np.int64), chars
 
 
@@ -158,7 +164,6 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
     tiles = C.duckdb_data_chunk_get_vector(chunk, 2)
     tile_at, tile_valid = C.duckdb_vector_get_data(tiles), C.duckdb_vector_get_validity(tiles)
     extents = np.empty(max(plan[4], 1), np.int64)
-    scratch = np.empty(0, np.uint8)
     for row in range(C.duckdb_data_chunk_get_size(chunk)):
         keys, ok = list_entry(chunk, 1, row)
         n = _extents(plan, keys, extents) if ok else -1
@@ -172,10 +177,8 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
         if held != n * plan[1]:
             _report(info, plan, keys, 2, held, n * plan[1])
             return
-        nbytes = n * plan[3]
-        if nbytes > len(scratch):
-            scratch = np.empty(nbytes, np.uint8)
-        if not _convert(plan, tile, scratch.ctypes.data, n):
+        out = reserve(output, row, np.uint64(plan[8]), n * plan[3])  # the result is written there, once
+        if not _convert(plan, tile, out, n):
             _report(info, plan, keys, 3, 0, 0)
             return
-        C.duckdb_vector_assign_string_element_len(output, row, scratch.ctypes.data, nbytes)
+        finish(output, row)
