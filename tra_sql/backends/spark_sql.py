@@ -180,9 +180,11 @@ class SparkDialect(Dialect):
         parts = [renamed(select, name) for name, select in ctes] + [renamed(finish(body))]
         reads = Counter(table.name for part in parts for table in part.find_all(exp.Table))
         reads.update({names[name]: 1 for name in replicated & names.keys()})
-        rendered = [self.render(part) for part in parts]
-        views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(ctes, rendered)]
-        big = frozenset(names[name] for name, _ in ctes if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
+        _inline(parts, names, reads)
+        kept = [(name, part) for (name, _), part in zip(ctes, parts) if reads[names[name]] != 1]
+        rendered = [self.render(part) for part in [part for _, part in kept] + parts[-1:]]
+        views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
+        big = frozenset(names[name] for name, _ in kept if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
         return Steps(views, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big)
 
     def hint(self, query: exp.Expression, sizes: dict[str, int], name: str | None,
@@ -209,6 +211,17 @@ class SparkDialect(Dialect):
         if name is not None and small(name) and isinstance(query, exp.Select):
             _coalesced(query)
         return query
+
+
+def _inline(parts: list[exp.Expression], names: dict[str, str], reads: Counter) -> None:
+    """Put every step of ``parts`` (the steps in order, the final query last) that ``reads``
+    says is read once into its reader, as a subquery: Spark analyzes it there only, not as a
+    view of its own first (and has no checkpoint to make of it)."""
+    once = {names[name]: part for name, part in zip(names, parts) if reads[names[name]] == 1}
+    for part in parts:  # a step reads only steps before it, which are complete by then
+        for table in [t for t in part.find_all(exp.Table) if t.name in once and not t.db]:
+            alias = table.args.get("alias") or exp.TableAlias(this=table.this.copy())
+            table.replace(exp.Subquery(this=once[table.name], alias=alias))
 
 
 def _keys(rank: int) -> list[exp.Expression]:

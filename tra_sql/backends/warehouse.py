@@ -112,7 +112,8 @@ class Warehouse:
                 self.attach(entry.name)
 
     def exists(self, name: str) -> bool:
-        return self.spark.catalog.tableExists(name) or self.path(name).exists()
+        """Whether table ``name`` exists: its directory (no call to Spark), else a table Spark knows."""
+        return self.path(name).exists() or self.spark.catalog.tableExists(name)
 
     # -- the catalog ----------------------------------------------------------------------
     def rows(self) -> list[dict]:
