@@ -51,34 +51,47 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=4, help="spark.sql.shuffle.partitions")
     parser.add_argument("--epochs", type=int, default=3, help="profiled epochs after the warm-up")
     parser.add_argument("--top", type=int, default=30, help="functions printed, by cumulative time")
+    parser.add_argument("--stats", help="write the profile here too (pstats)")
+    parser.add_argument("--jfr", help="record the driver's JVM with Java Flight Recorder into this file")
     args = parser.parse_args()
     n, e, f, h, c = args.gcn
     data = bench_spark.gcn_data(n, e, f, c)
-    timings: list[tuple[str, float]] = []
+    records: list[dict] = []  # per program: its views and checkpoints, and where its time went
     steps = SparkEngine.steps
 
-    def timed_steps(self, steps_, what):  # the views' time: entering the block; the write's: inside it
+    def timed_steps(self, program_steps, what):  # the views: entering the block; the job: inside it
+        tracker = self.spark.sparkContext._jsc.statusTracker()
+
         class Timed:
             def __enter__(inner):
                 start = time.perf_counter()
-                inner.block = steps(self, steps_, what)
+                inner.block = steps(self, program_steps, what)
                 frame = inner.block.__enter__()
-                timings.append(("views", time.perf_counter() - start))
-                inner.start = time.perf_counter()
+                inner.record = {"views": len(program_steps.views), "views_s": time.perf_counter() - start,
+                                "checkpoints": sum(reads > 1 for _, _, reads in program_steps.views)}
+                inner.start, inner.wall = time.perf_counter(), time.time()
                 return frame
 
             def __exit__(inner, *exc):
-                timings.append(("job", time.perf_counter() - inner.start))
+                elapsed = time.perf_counter() - inner.start
+                job = max(tracker.getJobIdsForGroup(self.spark.sparkContext.getLocalProperty(spark_jobs.GROUP)))
+                submitted = min(tracker.getStageInfo(s).submissionTime() for s in tracker.getJobInfo(job).stageIds()
+                                if tracker.getStageInfo(s) is not None) / 1e3
                 start = time.perf_counter()
                 out = inner.block.__exit__(*exc)
-                timings.append(("drop", time.perf_counter() - start))
+                planning = submitted - inner.wall
+                records.append(inner.record | {"plan_s": planning, "job_s": elapsed - planning,
+                                               "drop_s": time.perf_counter() - start})
                 return out
         return Timed()
 
     with tra_sql.connect(threads=2, memory_limit="2GB") as duck:
         bench_spark.gcn_tables(duck, data)
-        db = tra_sql.connect(engine="spark", master="local[2]", driver_memory="2g",
-                             config={"spark.sql.shuffle.partitions": str(args.partitions)})
+        config = {"spark.sql.shuffle.partitions": str(args.partitions)}
+        if args.jfr:
+            config["spark.driver.extraJavaOptions"] = (f"-XX:StartFlightRecording=filename={args.jfr},settings=profile "
+                                                       "-XX:FlightRecorderOptions=stackdepth=2048")
+        db = tra_sql.connect(engine="spark", master="local[2]", driver_memory="2g", config=config)
         try:
             for table in ("adj", "labels"):
                 transfer.copy(duck, db, table, replace=True)
@@ -87,23 +100,29 @@ def main() -> None:
             profile = cProfile.Profile()
 
             def on_epoch(epoch, _loss):
-                ends.append((time.perf_counter(), cpu_seconds()))
+                ends.append((time.perf_counter(), cpu_seconds(), time.time()))
                 if epoch == 0:
-                    timings.clear()
+                    records.clear()
                     profile.enable()
 
             with spark_jobs.jobs(db.engine.spark) as jobs:
                 _train(db, n, f, h, c, args.block, data[3], 1 + args.epochs, on_epoch)
             profile.disable()
+            njobs = jobs.count
         finally:
             SparkEngine.steps = steps
             db.close()
     print(f"GCN {n} nodes, {e} edges, block {args.block}, local[2], {args.partitions} shuffle partitions; "
-          f"load {os.getloadavg()[0]:.1f}; {jobs.count} Spark jobs in {1 + args.epochs} epochs")
+          f"load {os.getloadavg()[0]:.1f}; {njobs} Spark jobs in {1 + args.epochs} epochs; "
+          f"a step's temporary views and local checkpoints: {records[-1]['views']} and {records[-1]['checkpoints']}")
     for i in range(1, len(ends)):
-        views, job, drop = (timings[3 * (i - 1) + k][1] for k in range(3))
+        r = records[i - 1]
         print(f"epoch {i + 1}: {ends[i][0] - ends[i - 1][0]:.2f} s wall, {ends[i][1] - ends[i - 1][1]:.2f} s CPU "
-              f"(driver and its JVM); views {views:.2f} s, write {job:.2f} s, drop {drop:.2f} s")
+              f"(driver and its JVM); views {r['views_s']:.2f} s, then planning until the job's first stage "
+              f"{r['plan_s']:.2f} s, the job {r['job_s']:.2f} s, dropping the views {r['drop_s']:.2f} s")
+    print(f"profiled from {ends[0][2]:.3f} to {ends[-1][2]:.3f} (seconds since the Unix epoch)")
+    if args.stats:
+        profile.dump_stats(args.stats)
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(args.top)
     print(out.getvalue())

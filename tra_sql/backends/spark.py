@@ -182,6 +182,8 @@ class SparkEngine(Engine):
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
         self.spark = spark
+        #: the application's Spark settings (static: read once, not on every program's ``budget``)
+        self.conf: dict[str, str] = dict(spark.sparkContext.getConf().getAll())
         self.warehouse = Warehouse(root, spark)
         self._owns = owns
         self._temporary = temporary
@@ -411,7 +413,7 @@ class SparkEngine(Engine):
         N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
         less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores, in
         bytes of tiles (over ``TILE_COPIES``)."""
-        conf = self.spark.sparkContext.getConf()
+        conf = self.conf
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
         if local:
