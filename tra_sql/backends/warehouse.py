@@ -83,6 +83,7 @@ class Warehouse:
         self.catalog_dir.mkdir(parents=True, exist_ok=True)
         #: the plain tables this session defined with a column list, by name (``_publish``)
         self.columns: dict[str, str] = {}
+        self._session_catalog = None  # Spark's SessionCatalog and TableIdentifier class (``registered``)
         self.recover()
         self.attach_all()
 
@@ -116,8 +117,11 @@ class Warehouse:
     def registered(self, name: str) -> bool:
         """Whether Spark's session catalog holds table ``name`` (asked directly:
         ``spark.catalog.tableExists`` analyzes a query plan to answer)."""
-        ident = self.spark._jvm.org.apache.spark.sql.catalyst.TableIdentifier(name)
-        return self.spark._jsparkSession.sessionState().catalog().tableExists(ident)
+        if self._session_catalog is None:  # found once: each step through the JVM's packages is a call
+            self._session_catalog = (self.spark._jsparkSession.sessionState().catalog(),
+                                     self.spark._jvm.org.apache.spark.sql.catalyst.TableIdentifier)
+        catalog, ident = self._session_catalog
+        return catalog.tableExists(ident(name))
 
     def exists(self, name: str) -> bool:
         """Whether table ``name`` exists: its directory (no call to Spark), else a table Spark knows."""
@@ -174,8 +178,7 @@ class Warehouse:
         catalog row, a plain table the column list this session defined it with) keeps its
         Spark table, whose listing of files is refreshed."""
         if self._keeps(name, info, schema):
-            self._swap(name, staging)
-            self.spark.catalog.refreshTable(quote(name))
+            self._replace(name, staging)
             return
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
         self.columns.pop(name.lower(), None)
@@ -206,6 +209,11 @@ class Warehouse:
             same = bool(schema) and self.columns.get(name.lower()) == schema and not self._catalog_file(name).exists()
         return same and self.registered(name)
 
+    def _replace(self, name: str, staging: Path) -> None:
+        """Directory ``staging`` becomes the files of Spark table ``name``, which Spark lists anew."""
+        self._swap(name, staging)
+        self.spark.catalog.refreshTable(quote(name))
+
     def _swap(self, name: str, staging: Path) -> None:
         """Directory ``staging`` becomes directory ``name`` by two renames, the old one set
         aside first (see ``recover``)."""
@@ -218,7 +226,11 @@ class Warehouse:
     def publish(self, directory: Path, name: str) -> None:
         """The Parquet files in ``directory`` (moved) become table ``name``'s, which keeps its
         catalog row (if it has one)."""
-        self._publish(name, directory, self.entry(name))
+        info = self.entry(name)
+        if info is not None and self.registered(name):
+            self._replace(name, directory)
+        else:
+            self._publish(name, directory, info)
 
     def empty_tiles(self, name: str, directory: Path) -> None:
         """An empty tile relation shaped like tensor ``name``'s, written to ``directory``."""
