@@ -192,12 +192,13 @@ class Warehouse:
             pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), written)
             os.replace(written, self._catalog_file(name))
         else:
+            removed = self._catalog_file(name).exists()
+            self._catalog_file(name).unlink(missing_ok=True)
             self.attach(name, schema)
             if schema:
                 self.columns[name.lower()] = schema
-            if not self._catalog_file(name).exists():
+            if not removed:
                 return
-            self._catalog_file(name).unlink()
         self.spark.catalog.refreshTable(CATALOG_TABLE)
 
     def _keeps(self, name: str, info: TensorInfo | None, schema: str) -> bool:
