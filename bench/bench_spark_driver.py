@@ -1,9 +1,10 @@
 """Where the driver's time goes in a GCN training step on Spark: ``bench_spark``'s GCN on
 ``local[2]``, one warm-up epoch, then ``--epochs`` more under cProfile (the driver's Python
-only; the JVM's work shows as the py4j calls that wait for it). Prints per epoch the wall time,
-the driver process's CPU time (its JVM included in local mode: the tasks run there too), the
-time spent making the step's views before the write and the write itself, then the profile's
-top functions.
+only; the JVM's work shows as the py4j calls that wait for it; ``--jfr`` records the JVM with
+Java Flight Recorder). Prints a step's temporary views and checkpoints, per epoch the wall time,
+the CPU time of the driver and its JVM (local mode: the tasks run there too), the time spent
+making the step's views, planning until its job's first stage, in the job, and dropping the
+views, then the profile's top functions.
 
     python bench/bench_spark_driver.py                                # 2048 nodes in 512² tiles
     python bench/bench_spark_driver.py --gcn 8192 81920 128 16 8 --block 2048 --top 40
@@ -29,8 +30,7 @@ from tra_sql.backends.spark import SparkEngine  # noqa: E402
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its children that have been waited for (the driver's JVM
-    is a child: its time shows in ``/proc``, read here)."""
+    """CPU time of this process and of its child processes (the driver's JVM), from ``/proc``."""
     total = sum(os.times()[:2])
     for entry in os.listdir("/proc"):
         try:
