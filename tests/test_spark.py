@@ -568,6 +568,32 @@ def test_a_training_step_is_one_spark_job(sdb):
     assert [spark.conf.get(k) for k in ("spark.sql.adaptive.enabled", "spark.sql.shuffle.partitions")] == ["true", "2"]
 
 
+def test_steps_read_once_are_subqueries_of_their_reader(sdb, monkeypatch):
+    """A training step's steps that one other step reads are subqueries of it, not temporary
+    views of their own (Spark would analyze each view, then its reader with it again): the
+    views left are the steps read more than once, each a local checkpoint, but for the seed of
+    the gradient, a constant tile written as a literal (no kernel), which its readers compute.
+    While a program runs, Spark's call site names it (so Spark walks no stack for it)."""
+    made = []
+    union_steps = spark_sql.SparkDialect.union_steps
+    monkeypatch.setattr(spark_sql.SparkDialect, "union_steps",
+                        lambda self, program, results: made.append((program, union_steps(self, program, results)))
+                        or made[-1][1])
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    sdb.train(loss, params, SGD(lr=0.5), 1, run="inline", progress=False)
+    ((program, steps),) = made
+    assert steps.views and all(reads > 1 for _, _, reads in steps.views)
+    assert len(steps.views) < len(program.ctes)  # the others are subqueries (here 7 views of 12 steps)
+    assert "TRA_FILL" not in steps.text() and "X'000000000000F03F'" in steps.text()
+    _, gw, gb = numpy_gradient(x, y, w, np.zeros(3))
+    np.testing.assert_allclose(params[0].numpy(), w - 0.5 * gw, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), -0.5 * gb, rtol=1e-10, atol=1e-14)
+    sc = sdb.engine.spark.sparkContext
+    with sdb.engine.frame(loss.program()):
+        site = sc.getLocalProperty("callSite.long")
+    assert site == f"tra_sql: {loss.node.label}" and sc.getLocalProperty("callSite.long") is None
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="spark_jobs.python_workers reads /proc")
 def test_training_steps_reuse_the_python_workers(sdb):
     """The steps after the first run their UDFs in the Python workers the first one started

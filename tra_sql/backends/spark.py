@@ -59,6 +59,7 @@ TILE_COPIES = 16
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false", "spark.sql.unionOutputPartitioning": "false"}
 PARTITIONS = "spark.sql.shuffle.partitions"
+CALL_SITE = ("callSite.short", "callSite.long")  # Spark's thread-local properties (``call_site``)
 #: Generated classes Spark keeps (``spark.sql.codegen.cache.maxEntries``, a static setting:
 #: the session's start): Spark compiles Java for each operator and expression of a query, and
 #: one GCN training step needs ~340 classes. Spark's default cache of 100 evicted them before
@@ -151,6 +152,22 @@ def settings(spark, values: dict[str, str]):
                 spark.conf.set(k, v)
 
 
+@contextmanager
+def call_site(spark, text: str):
+    """``text`` as Spark's call site of the RDDs, queries and jobs that this thread makes inside
+    the block (the thread's own put back after it). Without one, Spark walks the JVM's stack
+    for each RDD it creates (``SparkContext.getCallSite``), hundreds per training step."""
+    sc = spark.sparkContext
+    before = {key: sc.getLocalProperty(key) for key in CALL_SITE}
+    for key in CALL_SITE:
+        sc.setLocalProperty(key, text)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            sc.setLocalProperty(key, value)
+
+
 class SparkEngine(Engine):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. ``connect(engine=
     "spark", ...)`` opens one (``open``). Relations are copies (tensor tables); what Spark
@@ -165,6 +182,8 @@ class SparkEngine(Engine):
     def __init__(self, spark, root: Path, *, owns: bool = True, temporary: bool = False):
         super().__init__()
         self.spark = spark
+        #: the application's Spark settings (static: read once, not on every program's ``budget``)
+        self.conf: dict[str, str] = dict(spark.sparkContext.getConf().getAll())
         self.warehouse = Warehouse(root, spark)
         self._owns = owns
         self._temporary = temporary
@@ -243,7 +262,8 @@ class SparkEngine(Engine):
         adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
         if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
             values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
-        with settings(self.spark, values), self._views(steps, what) as final:
+        with settings(self.spark, values), call_site(self.spark, f"tra_sql: {what}"), \
+                self._views(steps, what) as final:
             yield final
 
     def query_settings(self) -> dict[str, str]:
@@ -280,9 +300,15 @@ class SparkEngine(Engine):
             yield final
         finally:
             for name, _, _ in steps.views:
-                self.spark.catalog.dropTempView(name)
+                self.drop_view(name)
             for rdd in checkpoints:
                 rdd.unpersist(False)
+
+    def drop_view(self, name: str) -> None:
+        """Drop temporary view ``name`` from the session's catalog. ``spark.catalog.dropTempView``
+        would first analyze the view's whole plan again, to uncache it: tra_sql's views are
+        never cached."""
+        self.spark._jsparkSession.sessionState().catalog().dropTempView(name)
 
     def frame(self, program: Program):
         """A context manager: ``program`` as a (lazy) Spark DataFrame with columns ``k0..``
@@ -387,7 +413,7 @@ class SparkEngine(Engine):
         N) and the memory Spark lets an executor's tasks use (its heap, local: the driver's,
         less Spark's reserved 300 MiB, times ``spark.memory.fraction``) over its cores, in
         bytes of tiles (over ``TILE_COPIES``)."""
-        conf = self.spark.sparkContext.getConf()
+        conf = self.conf
         master = conf.get("spark.master", "local[*]")
         local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
         if local:

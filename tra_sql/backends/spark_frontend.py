@@ -94,7 +94,7 @@ class SparkRewriter(Rewriter):
         with ``free``, also the checkpoints' blocks (the statement is done with them)."""
         if not self.explain:
             for name in self.views:
-                self.session.engine.spark.catalog.dropTempView(name)
+                self.session.engine.drop_view(name)
         if free:
             for rdd in self.checkpoints:
                 rdd.unpersist(False)

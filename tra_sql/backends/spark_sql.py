@@ -4,8 +4,8 @@ rewrite for memory.
 Spark inlines a CTE wherever it is read, so a training step's ~40 CTEs, shared between the
 forward pass, the gradients and the optimizer, expanded into a plan ~30 times the program
 (one GCN step: 1437 Python UDF evaluations for 49 calls in the text). ``SparkDialect.steps`` makes
-every CTE a temporary view instead; the session makes the views read more than once local
-checkpoints, so each step runs once per query.
+every CTE read more than once a temporary view instead, which the session makes a local
+checkpoint, so each step runs once per query; a CTE read once is a subquery of its reader.
 
 A fused join + aggregate step, ``tra_einsum_agg_<n>(meta, keys, ARRAY_AGG(STRUCT(...)))``,
 and an aggregate of per-row partial results, ``tra_reduce(meta, keys, ARRAY_AGG(tile))``,
@@ -37,10 +37,12 @@ from sqlglot import exp
 
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
-from tra_sql.udfs.protocol import REDUCE_GROUP, EinsumStep, Kernel
+from tra_sql.udfs.protocol import FILL, REDUCE_GROUP, EinsumStep, Kernel
 
 #: Groups whose tiles exceed this many bytes go through the grouped aggregate UDF.
 GROUP_BYTES = 32 << 20
+#: A constant whose tiles are all alike and at most this many bytes is a literal (``_literal_fills``).
+FILL_LITERAL_BYTES = 1 << 10
 
 
 def _groups(step: EinsumStep) -> int:
@@ -158,10 +160,12 @@ class SparkDialect(Dialect):
         return steps
 
     def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None) -> Steps:
-        """``query``'s CTEs as views named uniquely (the same program may run twice at once),
-        the relations that ``sizes`` (bytes by name) says are small not shuffled (``hint``). A
-        view replicated into a join counts as read twice: the session keeps it (a local
-        checkpoint), else each task of the join would compute it again, and its inputs."""
+        """``query``'s CTEs read more than once as views named uniquely (the same program may
+        run twice at once), the others subqueries of their readers (``_inline``; as are steps
+        that call no kernel, wherever they are read), the relations that ``sizes`` (bytes by
+        name) says are small not shuffled (``hint``). A view replicated into a join counts as
+        read twice: the session keeps it (a local checkpoint), else each task of the join would
+        compute it again, and its inputs."""
         key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
         ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
         body = query.copy()
@@ -171,7 +175,7 @@ class SparkDialect(Dialect):
         replicated: set[str] = set()
 
         def renamed(select: exp.Expression, name: str | None = None) -> exp.Expression:
-            select = self.hint(select.copy(), sizes or {}, name, replicated)
+            select = self.hint(_literal_fills(select.copy()), sizes or {}, name, replicated)
             for table in select.find_all(exp.Table):
                 if table.name in names and not table.db:
                     table.set("this", exp.to_identifier(names[table.name], quoted=True))
@@ -180,9 +184,12 @@ class SparkDialect(Dialect):
         parts = [renamed(select, name) for name, select in ctes] + [renamed(finish(body))]
         reads = Counter(table.name for part in parts for table in part.find_all(exp.Table))
         reads.update({names[name]: 1 for name in replicated & names.keys()})
-        rendered = [self.render(part) for part in parts]
-        views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(ctes, rendered)]
-        big = frozenset(names[name] for name, _ in ctes if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
+        inlined = {names[name] for name, part in zip(names, parts) if reads[names[name]] == 1 or not _calls(part)}
+        _inline(parts, names, inlined)
+        kept = [(name, part) for (name, _), part in zip(ctes, parts) if names[name] not in inlined]
+        rendered = [self.render(part) for part in [part for _, part in kept] + parts[-1:]]
+        views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
+        big = frozenset(names[name] for name, _ in kept if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
         return Steps(views, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big)
 
     def hint(self, query: exp.Expression, sizes: dict[str, int], name: str | None,
@@ -209,6 +216,37 @@ class SparkDialect(Dialect):
         if name is not None and small(name) and isinstance(query, exp.Select):
             _coalesced(query)
         return query
+
+
+def _inline(parts: list[exp.Expression], names: dict[str, str], inlined: set[str]) -> None:
+    """Put every step of ``parts`` (the steps in order, the final query last) named in
+    ``inlined`` into its readers, as a subquery: Spark analyzes it there only, not as a view
+    of its own first (and has no checkpoint to make of it)."""
+    bodies = {names[name]: part for name, part in zip(names, parts) if names[name] in inlined}
+    for part in parts:  # a step reads only steps before it, which are complete by then
+        for table in [t for t in part.find_all(exp.Table) if t.name in bodies and not t.db]:
+            alias = table.args.get("alias") or exp.TableAlias(this=table.this.copy())
+            table.replace(exp.Subquery(this=bodies[table.name].copy(), alias=alias))
+
+
+def _calls(query: exp.Expression) -> bool:
+    """Whether ``query`` calls a tile kernel."""
+    return any("kernel" in node.meta for node in query.find_all(exp.Anonymous))
+
+
+def _literal_fills(query: exp.Expression) -> exp.Expression:
+    """``query`` with each ``tra_fill`` call whose tiles are all alike and at most
+    ``FILL_LITERAL_BYTES`` as that tile's bytes, a binary literal: a step of such a constant
+    (the seed of a loss's gradient) calls no kernel, so each reader computes it (``_steps``)."""
+    def literal(node: exp.Expression) -> exp.Expression:
+        if not isinstance(node, exp.Anonymous) or node.meta.get("kernel") != FILL:
+            return node
+        step = node.meta["step"]
+        if prod(step.tile) * np.dtype(step.dtype).itemsize > FILL_LITERAL_BYTES \
+                or any(size % t for size, t in zip(step.shape, step.tile)):
+            return node  # big, or ragged boundary tiles
+        return exp.HexString(this=np.full(step.tile, step.value, dtype=step.dtype).tobytes().hex().upper())
+    return query.transform(literal, copy=False)
 
 
 def _keys(rank: int) -> list[exp.Expression]:

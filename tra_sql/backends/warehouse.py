@@ -81,6 +81,9 @@ class Warehouse:
         self.spark = spark
         self.catalog_dir = root / CATALOG_TABLE
         self.catalog_dir.mkdir(parents=True, exist_ok=True)
+        #: the plain tables this session defined with a column list, by name (``_publish``)
+        self.columns: dict[str, str] = {}
+        self._session_catalog = None  # Spark's SessionCatalog and TableIdentifier class (``registered``)
         self.recover()
         self.attach_all()
 
@@ -111,8 +114,18 @@ class Warehouse:
             if entry.is_dir() and entry.name[0] not in "_." and any(entry.glob("*.parquet")):
                 self.attach(entry.name)
 
+    def registered(self, name: str) -> bool:
+        """Whether Spark's session catalog holds table ``name`` (asked directly:
+        ``spark.catalog.tableExists`` analyzes a query plan to answer)."""
+        if self._session_catalog is None:  # found once: each step through the JVM's packages is a call
+            self._session_catalog = (self.spark._jsparkSession.sessionState().catalog(),
+                                     self.spark._jvm.org.apache.spark.sql.catalyst.TableIdentifier)
+        catalog, ident = self._session_catalog
+        return catalog.tableExists(ident(name))
+
     def exists(self, name: str) -> bool:
-        return self.spark.catalog.tableExists(name) or self.path(name).exists()
+        """Whether table ``name`` exists: its directory (no call to Spark), else a table Spark knows."""
+        return self.path(name).exists() or self.spark.catalog.tableExists(name)
 
     # -- the catalog ----------------------------------------------------------------------
     def rows(self) -> list[dict]:
@@ -148,7 +161,7 @@ class Warehouse:
         table's ``schema``, a column list, saves Spark the job that infers it). A failing
         ``write`` leaves the warehouse as it was."""
         catalog.check_name(name)
-        if self.exists(name) and not replace:
+        if not replace and self.exists(name):
             raise TensorExistsError(f"a table named '{name}' exists already (names are case-insensitive, "
                                     f"as in SQL); pass replace=True to overwrite it")
         staging = self.root / "_staging" / uuid.uuid4().hex
@@ -161,13 +174,14 @@ class Warehouse:
     def _publish(self, name: str, staging: Path, info: TensorInfo | None, schema: str = "") -> None:
         """Directory ``staging`` becomes table ``name`` (two renames: the old table aside,
         the new one in; ``recover`` undoes the first if a crash comes between them), with
-        ``info``'s catalog row (else none). A tensor that keeps its catalog row keeps its
+        ``info``'s catalog row (else none). A table that keeps its definition (a tensor its
+        catalog row, a plain table the column list this session defined it with) keeps its
         Spark table, whose listing of files is refreshed."""
-        if info is not None and info == self.entry(name) and self.spark.catalog.tableExists(name):
-            self._swap(name, staging)
-            self.spark.sql(f"REFRESH TABLE {quote(name)}")
+        if self._keeps(name, info, schema):
+            self._replace(name, staging)
             return
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
+        self.columns.pop(name.lower(), None)
         self._swap(name, staging)
         if info is not None:
             keys = ", ".join(f"k{d} INT" for d in range(len(info.shape)))
@@ -178,9 +192,28 @@ class Warehouse:
             pq.write_table(pa.table(row, schema=CATALOG_SCHEMA), written)
             os.replace(written, self._catalog_file(name))
         else:
+            removed = self._catalog_file(name).exists()
             self._catalog_file(name).unlink(missing_ok=True)
             self.attach(name, schema)
-        self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
+            if schema:
+                self.columns[name.lower()] = schema
+            if not removed:
+                return
+        self.spark.catalog.refreshTable(CATALOG_TABLE)
+
+    def _keeps(self, name: str, info: TensorInfo | None, schema: str) -> bool:
+        """Whether table ``name``, published anew with catalog row ``info`` (or as a plain
+        table of columns ``schema``), keeps its definition and its Spark table."""
+        if info is not None:
+            same = info == self.entry(name)
+        else:
+            same = bool(schema) and self.columns.get(name.lower()) == schema and not self._catalog_file(name).exists()
+        return same and self.registered(name)
+
+    def _replace(self, name: str, staging: Path) -> None:
+        """Directory ``staging`` becomes the files of Spark table ``name``, which Spark lists anew."""
+        self._swap(name, staging)
+        self.spark.catalog.refreshTable(quote(name))
 
     def _swap(self, name: str, staging: Path) -> None:
         """Directory ``staging`` becomes directory ``name`` by two renames, the old one set
@@ -194,7 +227,11 @@ class Warehouse:
     def publish(self, directory: Path, name: str) -> None:
         """The Parquet files in ``directory`` (moved) become table ``name``'s, which keeps its
         catalog row (if it has one)."""
-        self._publish(name, directory, self.entry(name))
+        info = self.entry(name)
+        if info is not None and self.registered(name):
+            self._replace(name, directory)
+        else:
+            self._publish(name, directory, info)
 
     def empty_tiles(self, name: str, directory: Path) -> None:
         """An empty tile relation shaped like tensor ``name``'s, written to ``directory``."""
@@ -203,6 +240,7 @@ class Warehouse:
     def drop(self, name: str) -> None:
         """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
+        self.columns.pop(name.lower(), None)
         self._catalog_file(name).unlink(missing_ok=True)
         shutil.rmtree(self.path(name), ignore_errors=True)
-        self.spark.sql(f"REFRESH TABLE {CATALOG_TABLE}")
+        self.spark.catalog.refreshTable(CATALOG_TABLE)
