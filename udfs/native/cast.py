@@ -24,6 +24,7 @@ from tra_sql.udfs.native.memory import (
     blob,
     f32,
     f64,
+    grid_tile,
     i32,
     i64,
     put_int,
@@ -55,22 +56,6 @@ def plan(text: str) -> tuple[np.ndarray, ...]:
             np.dtype(step.dtype).itemsize, len(step.shape), chars.ctypes.data, len(name), len(target),
             results.zeros(largest)]
     return np.array([*head, *step.shape, *step.tile], dtype=np.int64), chars
-
-
-@njit(cache=True)
-def _extents(plan, keys, extents) -> int:
-    """The elements of the tile at ``keys`` (its extents into ``extents``); -1 outside the grid."""
-    rank = plan[4]
-    if len(keys) != rank:
-        return -1
-    n = 1
-    for d in range(rank):
-        size, tile = plan[HEADER + d], plan[HEADER + rank + d]
-        if keys[d] < 0 or keys[d] * tile >= size:
-            return -1
-        extents[d] = min(tile, size - keys[d] * tile)
-        n *= extents[d]
-    return n
 
 
 @njit(cache=True)
@@ -164,9 +149,10 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
     tiles = C.duckdb_data_chunk_get_vector(chunk, 2)
     tile_at, tile_valid = C.duckdb_vector_get_data(tiles), C.duckdb_vector_get_validity(tiles)
     extents = np.empty(max(plan[4], 1), np.int64)
+    shape, tiling = plan[HEADER: HEADER + plan[4]], plan[HEADER + plan[4]:]
     for row in range(C.duckdb_data_chunk_get_size(chunk)):
         keys, ok = list_entry(chunk, 1, row)
-        n = _extents(plan, keys, extents) if ok else -1
+        n = grid_tile(shape, tiling, keys, extents) if ok else -1
         if n < 0:
             _report(info, plan, keys, 0, 0, 0)
             return

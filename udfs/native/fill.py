@@ -13,7 +13,7 @@ from numba import cfunc, njit, types
 
 from tra_sql.udfs.native.aggregate import memcpy
 from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.memory import CORRUPT, address, i64, put_text, u8
+from tra_sql.udfs.native.memory import CORRUPT, address, grid_tile, i64, put_text, u8
 from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
 from tra_sql.udfs.protocol import FillStep
 
@@ -28,21 +28,6 @@ def plan(text: str) -> tuple[np.ndarray, ...]:
     element = np.frombuffer(np.array(step.value, dtype=np.dtype(step.dtype)).tobytes(), np.uint8).copy()
     head = [element.size, len(step.shape), element.ctypes.data]
     return np.array([*head, *step.shape, *step.tile], dtype=np.int64), element
-
-
-@njit(cache=True)
-def _tile_bytes(plan, keys) -> int:
-    """The bytes of the tile at ``keys`` (ragged at the grid's end); -1 outside the grid."""
-    rank = plan[1]
-    if len(keys) != rank:
-        return -1
-    nbytes = plan[0]
-    for d in range(rank):
-        size, tile = plan[HEADER + d], plan[HEADER + rank + d]
-        if keys[d] < 0 or keys[d] * tile >= size:
-            return -1
-        nbytes *= min(tile, size - keys[d] * tile)
-    return nbytes
 
 
 @njit(cache=True)
@@ -62,10 +47,12 @@ def KERNEL(info_ptr, chunk_ptr, output_ptr):
     plan = i64(C.duckdb_scalar_function_get_bind_data(info), HEADER)
     plan = i64(C.duckdb_scalar_function_get_bind_data(info), HEADER + 2 * plan[1])
     element = u8(plan[2], plan[0])
+    shape, tile = plan[HEADER: HEADER + plan[1]], plan[HEADER + plan[1]:]
+    extents = np.empty(max(plan[1], 1), np.int64)
     buffer, filled = np.empty(0, np.uint8), 0
     for row in range(C.duckdb_data_chunk_get_size(chunk)):
         keys, ok = list_entry(chunk, 1, row)
-        nbytes = _tile_bytes(plan, keys) if ok else -1
+        nbytes = plan[0] * grid_tile(shape, tile, keys, extents) if ok else -1
         if nbytes < 0:
             message = np.zeros(MESSAGE, np.uint8)
             put_text(message, put_text(message, 0, CORRUPT), KEYS_OUTSIDE)

@@ -95,6 +95,21 @@ def f64(at, n):
     return carray(_FLOAT64(at), (n,))
 
 
+@njit(cache=True)
+def grid_tile(shape, tile, keys, extents) -> int:
+    """The elements of the tile at ``keys`` of a ``shape`` tensor tiled ``tile``, its extents
+    into ``extents`` (ragged at the grid's end); -1 for keys of another rank or outside the grid."""
+    if len(keys) != len(shape):
+        return -1
+    n = 1
+    for d in range(len(shape)):
+        if keys[d] < 0 or keys[d] * tile[d] >= shape[d]:
+            return -1
+        extents[d] = min(tile[d], shape[d] - keys[d] * tile[d])
+        n *= extents[d]
+    return n
+
+
 ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
 CORRUPT = np.frombuffer(f"{ERROR_PREFIX}CorruptTileError: ".encode(), np.uint8)  # a corrupt tile's error
 STRING_T = 16  # bytes of one duckdb_string_t

@@ -22,7 +22,20 @@ from numba import cfunc, njit, types
 from tra_sql.udfs.native.aggregate import corrupt, memcpy
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.fused import EXTRA, error_record, looked_up, step_text
-from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, i64, put_int, put_text, u8, u64, valid
+from tra_sql.udfs.native.memory import (
+    CORRUPT,
+    address,
+    blob,
+    f32,
+    f64,
+    grid_tile,
+    i64,
+    put_int,
+    put_text,
+    u8,
+    u64,
+    valid,
+)
 from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
 from tra_sql.udfs.protocol import FLOATS, PlaceStep, placement_aggregate
 
@@ -105,15 +118,12 @@ def _output(plan, keys, origin, extents) -> int:
     """The output tile at ``keys``: its element origin and extents in the placement's
     coordinates (flat: one dimension), and its bytes; -1 if the keys are outside the grid."""
     rank = plan[3]
-    if len(keys) != rank:
+    n = grid_tile(plan[HEADER: HEADER + rank], plan[HEADER + rank: HEADER + 2 * rank], keys, extents)
+    if n < 0:
         return -1
-    nbytes = plan[0]
     for d in range(rank):
-        size, tile = plan[HEADER + d], plan[HEADER + rank + d]
-        if keys[d] < 0 or keys[d] * tile >= size:
-            return -1
-        origin[d], extents[d] = keys[d] * tile, min(tile, size - keys[d] * tile)
-        nbytes *= extents[d]
+        origin[d] = keys[d] * plan[HEADER + rank + d]
+    nbytes = plan[0] * n
     if plan[2]:  # flat: the tile's rows, row-major
         origin[0], extents[0] = (origin[0] * plan[6], extents[0] * plan[6]) if rank else (0, 1)
     return nbytes
