@@ -103,7 +103,7 @@ def work(path: str, epochs: int, staged: bool) -> None:
     db.engine.con.execute(f"CREATE TABLE IF NOT EXISTS edges AS SELECT * FROM (VALUES {', '.join(map(str, EDGES))}) "
                    f"t(dst, src, w)").fetchall()
     db.train(loss, params, Adam(lr=0.05), epochs, run="fit", batches=BATCHES, progress=False,
-             before_step=lambda step, batch: storage_round(db, step))
+             before_step=lambda step, batch: (report("step"), storage_round(db, step)))
     db.close()
     report("done")
 
@@ -161,12 +161,15 @@ class Zygote:
                 return rest if event == "forked" else event
         return None
 
-    def run(self, path: Path, epochs: int, kill_after: float | None, staged: bool = False) -> bool:
-        """Run a worker; SIGKILL it ``kill_after`` seconds after its fork unless it finished
-        first (None: wait for it). Whether it was killed."""
+    def run(self, path: Path, epochs: int, kill_after: float | None, staged: bool = False, steps: int = 0) -> bool:
+        """Run a worker; SIGKILL it ``kill_after`` seconds after its fork, or after it began its
+        ``steps``-th training step, unless it finished first (None: wait for it). Whether it was
+        killed."""
         self.proc.stdin.write(f"fork {path} {epochs} {int(staged)}\n")
         self.proc.stdin.flush()
         pid = int(self.next(self.proc.pid, 30, "forked"))
+        for _ in range(steps):
+            assert self.next(pid, 300, "step") == "step", "a worker began no training step in 5 minutes"
         if self.next(pid, 600 if kill_after is None else kill_after, "done"):
             return False
         assert kill_after is not None, "a worker ran for 10 minutes"
@@ -271,8 +274,11 @@ def crash_loop(tmp_path: Path, kills: int, seed: int) -> list[tuple[int, int]]:
     path, zygote_, seen = tmp_path / "crash.duckdb", Zygote(), []
     try:
         while len(seen) < kills:
-            delay = rng.uniform(0, 0.3) if rng.random() < 0.25 else rng.uniform(0.3, 1.5)
-            assert zygote_.run(path, ENDLESS, delay, staged=rng.random() < 0.5), "a worker finished an endless run"
+            # a kill soon after the fork, at any moment later, or in a step after the first
+            # (whatever the machine's speed, some kills land after a step was committed)
+            delay, steps = rng.choice([(rng.uniform(0, 0.3), 0), (rng.uniform(0.3, 1.5), 0), (rng.uniform(0, 0.5), 2)])
+            assert zygote_.run(path, ENDLESS, delay, staged=rng.random() < 0.5, steps=steps), \
+                "a worker finished an endless run"
             seen.append(check_file(path, reference) if rng.random() < 0.8 else (-1, 0))
         last = check_file(path, reference)[0] // BATCHES + 2
         assert not zygote_.run(path, last, None)
