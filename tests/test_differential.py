@@ -41,6 +41,7 @@ TIGHT = ["4KB", "16KB", "64KB"]
 #: The planner's documented refusal of a budget too small for the stored tiles.
 REFUSED = "store it in smaller tiles"
 fuzz = pytest.mark.fuzz
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 
 def examples(n: int) -> int:
@@ -176,16 +177,27 @@ def arrow_kernels():
             os.environ["TRA_SQL_KERNELS"] = before
 
 
-def differential(program: Program, paths: list[str]) -> None:
-    """``paths`` on the default (native) kernels, then those that are not fusion switches (the
-    kernels do not depend on a fusion) on the Arrow kernels."""
+#: Paths each program runs on the Arrow kernels under the ``ci`` profile (drawn from those that
+#: are not fusion switches; every one of them under the ``long`` profile).
+ARROW_SAMPLE = 3
+
+
+def differential(data, program: Program) -> None:
+    """Every path of ``program`` (``duckdb_paths``) on the default (native) kernels, then those
+    that are not fusion switches (the kernels do not depend on a fusion) on the Arrow kernels:
+    all of them under the ``long`` profile, a drawn sample of ``ARROW_SAMPLE`` under ``ci``
+    (the native and Arrow kernels are also compared op by op in tests/test_native*.py)."""
+    paths = data.draw(duckdb_paths(program))
     with tra_sql.connect() as probe:
         paths = prune_fusions(program, probe, paths)
+    arrow = [p for p in paths if "fusions(off=" not in p]
+    if PROFILE != "long":
+        arrow = data.draw(st.lists(st.sampled_from(arrow), min_size=1, max_size=ARROW_SAMPLE, unique=True))
     with tra_sql.connect() as db:
         run_paths(program, db, paths)
     with arrow_kernels(), tra_sql.connect() as db:
         assert db.engine.kernels == "arrow"
-        run_paths(program, db, [f"# TRA_SQL_KERNELS=arrow\n{p}" for p in paths if "fusions(off=" not in p])
+        run_paths(program, db, [f"# TRA_SQL_KERNELS=arrow\n{p}" for p in arrow])
 
 
 # -- the fuzz tests ---------------------------------------------------------------------------------
@@ -197,7 +209,7 @@ def test_random_extended_einsums(data):
     """One einsum: random specs (repeated indices, broadcasting, full reductions), joins, aggs,
     dtypes, ragged tiles, absent tiles, on every DuckDB path."""
     program = data.draw(einsum_programs())
-    differential(program, data.draw(duckdb_paths(program)))
+    differential(data, program)
 
 
 @fuzz
@@ -206,7 +218,7 @@ def test_random_extended_einsums(data):
 def test_random_programs(data):
     """DAGs of einsums, keyed sums, retile/slice/concat/transpose/reshape and fills."""
     program = data.draw(programs())
-    differential(program, data.draw(duckdb_paths(program)))
+    differential(data, program)
 
 
 @fuzz
@@ -215,7 +227,7 @@ def test_random_programs(data):
 def test_random_nn_layers(data):
     """tra_sql.nn layers (linear, softmax with masks, norms, attention) inside random programs."""
     program = data.draw(layer_programs())
-    differential(program, data.draw(duckdb_paths(program)))
+    differential(data, program)
 
 
 @fuzz
@@ -224,7 +236,7 @@ def test_random_nn_layers(data):
 def test_random_gradients_against_torch_autograd(data):
     """db.grad of a random scalar loss of a random program, against torch.autograd."""
     program = data.draw(grad_programs())
-    differential(program, data.draw(duckdb_paths(program)))
+    differential(data, program)
 
 
 @fuzz
@@ -233,7 +245,7 @@ def test_random_gradients_against_torch_autograd(data):
 def test_random_csr_products(data):
     """CSR relations in products (message passing, sums, sampled products) and their gradients."""
     program = data.draw(csr_programs())
-    differential(program, data.draw(duckdb_paths(program)))
+    differential(data, program)
 
 
 # -- Spark --------------------------------------------------------------------------------------------
