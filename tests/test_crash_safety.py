@@ -7,7 +7,8 @@ committed step), and the run, resumed, ends with the weights of an uninterrupted
 Workers are forked from a zygote process that has imported tra_sql and warmed its kernels, so
 a kill cycle costs the work and not the interpreter's start. ``python tests/test_crash_safety.py
 zygote`` is that process: for each ``fork <path>`` line on stdin it forks a worker on ``path``;
-every process reports on stdout (``forked <pid>``, ``ready``, ``done``, ``error <text>``)."""
+every process reports on stdout (``forked <pid>``, ``ready``, ``step`` before each training step, ``done``,
+``error <text>``)."""
 
 from __future__ import annotations
 
