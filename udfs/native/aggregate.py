@@ -14,9 +14,10 @@ updates of their own."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, put_text, u8, u64, valid
 from tra_sql.udfs.protocol import TILE_REDUCTIONS
 
@@ -82,17 +83,17 @@ def corrupt(info, text):
     C.duckdb_aggregate_function_set_error(info, out.ctypes.data)
 
 
-@cfunc(types.uint64(types.voidptr), cache=True)
+@native(types.uint64(types.voidptr))
 def STATE_SIZE(info):
     return STATE
 
 
-@cfunc(types.void(types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr))
 def INIT(info, state):
     u64(address(state), 2)[:] = 0
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
     ops = u64(C.duckdb_aggregate_function_get_extra_info(info), 2)
@@ -123,7 +124,7 @@ def UPDATE(info_ptr, chunk_ptr, states_ptr):
             _combine(ops, state[0], at, held)
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64))
 def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
     info = address(info_ptr)
     ops = u64(C.duckdb_aggregate_function_get_extra_info(info), 2)
@@ -143,7 +144,7 @@ def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
             _combine(ops, target[0], source[0], target[1])
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64, types.uint64), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64, types.uint64))
 def FINALIZE(info_ptr, sources_ptr, result_ptr, count, offset):
     result = address(result_ptr)
     sources = u64(address(sources_ptr), count)
@@ -156,7 +157,7 @@ def FINALIZE(info_ptr, sources_ptr, result_ptr, count, offset):
             C.duckdb_vector_assign_string_element_len(result, offset + i, state[0], state[1])
 
 
-@cfunc(types.void(types.voidptr, types.uint64), cache=True)
+@native(types.void(types.voidptr, types.uint64))
 def DESTROY(states_ptr, count):
     states = u64(address(states_ptr), count)
     for i in range(count):

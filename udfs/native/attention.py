@@ -16,13 +16,14 @@ checks tiles with, then the geometry ``GEOMETRY``) by the step's text."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs import cores, online_softmax
 from tra_sql.udfs.attention import AttentionMeta, native_attention
 from tra_sql.udfs.native.aggregate import corrupt, malloc
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.fused import EXTRA, error_record, step_plan, step_text
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, i64, u8, u64
 from tra_sql.udfs.native.operands import HEADER, OPERAND, indices, operands, plan_length, sources, tables
 from tra_sql.udfs.protocol import AttentionStep
@@ -197,7 +198,7 @@ def _fold_row(proto, info, plan, geometry, tiles, extents, seen, state) -> bool:
     return True
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
     extra = i64(C.duckdb_aggregate_function_get_extra_info(info), EXTRA)
@@ -246,7 +247,7 @@ def _merge(proto, target, source, head, batch, rows, cols) -> None:
                          theirs[n:2 * n].reshape((batch, rows)), theirs[2 * n:].reshape((batch, rows, cols)))
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64))
 def COMBINE(info_ptr, sources_ptr, targets_ptr, count):
     info = address(info_ptr)
     sources, targets = u64(address(sources_ptr), count), u64(address(targets_ptr), count)
@@ -285,7 +286,7 @@ def _finish(proto, state, words, head):
     return out
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64, types.uint64), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr, types.uint64, types.uint64))
 def FINALIZE(info_ptr, sources_ptr, result_ptr, count, offset):
     result = address(result_ptr)
     sources = u64(address(sources_ptr), count)

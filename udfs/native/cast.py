@@ -12,11 +12,12 @@ and the tile, as the Arrow UDF does."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.cast import CastStep
 from tra_sql.udfs.native import results
 from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import (
     CORRUPT,
     ERROR_PREFIX,
@@ -141,7 +142,7 @@ def _report(info, plan, keys, what, held, need) -> None:
     set_error(info, False, out)
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def KERNEL(info_ptr, chunk_ptr, output_ptr):
     info, chunk, output = address(info_ptr), address(chunk_ptr), address(output_ptr)
     plan = i64(C.duckdb_scalar_function_get_bind_data(info), HEADER)

@@ -14,13 +14,14 @@ is read from."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, types
+from numba import types
 
 from tra_sql.udfs.contract import gemm_form, native_chain
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native import loops
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.contract import gemm
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, call3, i64
 from tra_sql.udfs.native.operands import (
     HEADER,
@@ -68,7 +69,7 @@ def plan(chain: ChainStep) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([head, np.array(section + [v for r in records for v in r], dtype=np.int64)]), text
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def KERNEL(info_ptr, chunk_ptr, output_ptr):
     info, chunk, output = address(info_ptr), address(chunk_ptr), address(output_ptr)
     bind = C.duckdb_scalar_function_get_bind_data(info)

@@ -11,11 +11,12 @@ DuckDB allocated (``results.reserve``), so the result is written once."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, call3, i64
 from tra_sql.udfs.native.operands import HEADER, OPERAND, gemm_sizes, operands, out_bytes, plan_length
 from tra_sql.udfs.native.results import finish, reserve
@@ -68,7 +69,7 @@ def _epilogue(plan, out, tiles, extents, epi_tiles, epi_extents) -> None:
     call3(np.uint64(plan[10]), out, epi_tiles.ctypes.data, epi_extents.ctypes.data)
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def KERNEL(info_ptr, chunk_ptr, output_ptr):
     info, chunk, output = address(info_ptr), address(chunk_ptr), address(output_ptr)
     bind = C.duckdb_scalar_function_get_bind_data(info)

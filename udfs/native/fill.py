@@ -9,10 +9,11 @@ before its tile is written."""
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.native.aggregate import memcpy
 from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import CORRUPT, address, grid_tile, i64, put_text, u8
 from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
 from tra_sql.udfs.protocol import FillStep
@@ -41,7 +42,7 @@ def _fill(buffer, element) -> None:
         filled += n
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def KERNEL(info_ptr, chunk_ptr, output_ptr):
     info, chunk, output = address(info_ptr), address(chunk_ptr), address(output_ptr)
     plan = i64(C.duckdb_scalar_function_get_bind_data(info), HEADER)

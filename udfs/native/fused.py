@@ -19,12 +19,13 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.contract import gemm
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import ERROR_PREFIX, address, blob, call2, i64, u8, u64, valid
 from tra_sql.udfs.native.operands import HEADER, gemm_sizes, operands, plan, plan_length, set_error
 from tra_sql.udfs.protocol import EinsumStep
@@ -103,7 +104,7 @@ def step_plan(info, extra, at, length, noun):
     return plan_at
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
     extra = i64(C.duckdb_aggregate_function_get_extra_info(info), EXTRA)

@@ -17,11 +17,12 @@ as its shape needs; a bad one is a ``CorruptTileError`` naming the source tensor
 from __future__ import annotations
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from tra_sql.udfs.native.aggregate import corrupt, memcpy
 from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.fused import EXTRA, error_record, looked_up, step_text
+from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import (
     CORRUPT,
     address,
@@ -170,7 +171,7 @@ def _copy(plan, out, out_origin, out_extents, piece, origin, extents, rank, lo, 
             return
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr), cache=True)
+@native(types.void(types.voidptr, types.voidptr, types.voidptr))
 def UPDATE(info_ptr, chunk_ptr, states_ptr):
     info, chunk, states = address(info_ptr), address(chunk_ptr), address(states_ptr)
     extra = i64(C.duckdb_aggregate_function_get_extra_info(info), EXTRA)

@@ -60,14 +60,15 @@ def body_source(position: int, transposed: bool, rank: int, dtype: str) -> str:
     kept = f"e[{at + 1}]" if transposed else f"e[{at}]"
     return "\n".join([
         "import numpy as np",
-        "from numba import cfunc, types",
+        "from numba import types",
         "",
+        "from tra_sql.udfs.native.images import native",
         f"from tra_sql.udfs.native.memory import {view}, i32, i64, u64",
         "from tra_sql.udfs.native.sparse import padded",
         f"from tra_sql.udfs.sparse_kernels import {kernel.split('(')[0]}",
         "",
         "",
-        "@cfunc(types.void(types.uint64, types.uint64, types.uint64), cache=True)",
+        "@native(types.void(types.uint64, types.uint64, types.uint64))",
         "def body(out, tiles, extents):",
         "    t = u64(tiles, 2)",
         f"    e = i64(extents, {rank + 2})",
