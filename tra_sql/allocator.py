@@ -22,8 +22,10 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from functools import cache
 
 import _duckdb  # the extension module holding all of DuckDB
+import numpy as np
 
 from tra_sql.errors import TraError
 
@@ -59,8 +61,12 @@ def retain_freed_memory() -> bool:
 # ELF: the machine's PLT relocation type (x86-64 R_X86_64_JUMP_SLOT, AArch64 R_AARCH64_JUMP_SLOT)
 _JUMP_SLOT = {62: 7, 183: 1026}
 _SHT_RELA, _SHT_DYNSYM = 4, 11
+_SYMBOL = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("section", "<u2"), ("value", "<u8"),
+                    ("size", "<u8")])  # Elf64_Sym
+_RELOCATION = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])  # Elf64_Rela
 
 
+@cache
 def _plt_slot(path: str, symbol: str) -> int | None:
     """The offset from its load address of the PLT slot (GOT entry) through which the ELF
     shared object ``path`` calls ``symbol``, or None."""
@@ -81,17 +87,24 @@ def _plt_slot(path: str, symbol: str) -> int | None:
         for sh in sections:
             if sh[1] != _SHT_RELA or sections[sh[6]][1] != _SHT_DYNSYM or machine not in _JUMP_SLOT:
                 continue
-            symbols = read(sections[sh[6]])
+            symbols = np.frombuffer(read(sections[sh[6]]), _SYMBOL)
             names = read(sections[sections[sh[6]][6]])
-            relocations = read(sh)
-            for at in range(0, len(relocations), 24):
-                offset, info = struct.unpack_from("<QQ", relocations, at)
-                if info & 0xFFFFFFFF != _JUMP_SLOT[machine]:
-                    continue
-                name_at, = struct.unpack_from("<I", symbols, 24 * (info >> 32))
-                if names[name_at:names.index(b"\0", name_at)] == symbol.encode():
-                    return offset
+            relocations = np.frombuffer(read(sh), _RELOCATION)
+            # the symbols named so: their names start where the name and its NUL lie in the table
+            indices = np.flatnonzero(np.isin(symbols["name"], _occurrences(names, symbol.encode() + b"\0")))
+            slots = relocations[((relocations["info"] & 0xFFFFFFFF) == _JUMP_SLOT[machine])
+                                & np.isin(relocations["info"] >> 32, indices)]
+            if len(slots):
+                return int(slots["offset"][0])
     return None
+
+
+def _occurrences(data: bytes, part: bytes) -> list[int]:
+    found, at = [], data.find(part)
+    while at >= 0:
+        found.append(at)
+        at = data.find(part, at + 1)
+    return found
 
 
 def _mapping(address: int) -> tuple[str, str]:

@@ -24,7 +24,7 @@ def binary_views(chunked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     _, offsets_buf, data_buf = arr.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=offset_type)[arr.offset : arr.offset + len(arr) + 1]
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.empty(0, np.uint8)
-    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else np.ones(len(arr), dtype=bool)
     return data, offsets.astype(np.int64, copy=False), valid
 
 

@@ -16,7 +16,7 @@ from math import prod
 
 import numpy as np
 
-from tra_sql.udfs import cores, online_softmax
+from tra_sql.udfs import cores
 from tra_sql.udfs.arrowio import binary_array, first_string, key_matrix, list_views
 from tra_sql.udfs.protocol import FLOATS, AttentionStep
 from tra_sql.udfs.python_kernels import implements
@@ -130,6 +130,8 @@ class OnlineSoftmax:
             self.acc = np.zeros((*self.q.shape[:2], vm.shape[2]), dtype=self.dtype)
         allowed = np.zeros((1, 1, 1), np.uint8) if mask is None else \
             np.ascontiguousarray(self._allowed(mask, dict(zip(meta.step.inputs[1], k.shape))), dtype=np.uint8)
+        from tra_sql.udfs import online_softmax  # Numba's: imported when attention runs
+
         online_softmax.fold(self.q, km, vm, allowed, mask is not None, meta.step.scale, self.row_max, self.row_sum,
                             self.acc, cores.MUTEX)
 
@@ -145,6 +147,8 @@ class OnlineSoftmax:
     def finish(self, out: np.ndarray) -> None:
         """``out = acc / row sum`` (0 where the row sum is 0: every position masked), in the
         output's index order."""
+        from tra_sql.udfs import online_softmax
+
         result = np.empty_like(self.acc)
         online_softmax.finish(self.row_sum, self.acc, result)
         order = "".join(self.groups[-1])

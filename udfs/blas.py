@@ -1,7 +1,7 @@
 """NumPy's own BLAS for native kernels: the ILP64 ``cblas_?gemm`` of the OpenBLAS bundled in
 NumPy's wheels (not Numba's ``np.dot``, which loads SciPy's second OpenBLAS and thread pool),
-bound under fixed names (``tra_sgemm``, ``tra_dgemm``) so that cached kernels link to
-whichever build is installed. ``FOUND``: whether it was."""
+bound under fixed names (``tra_sgemm``, ``tra_dgemm``: ``nopython.SGEMM``, ``DGEMM``) so that
+cached kernels link to whichever build is installed. ``FOUND``: whether it was."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 from llvmlite import binding
-from numba import types
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
 
@@ -38,14 +37,3 @@ def _bind() -> bool:
 
 
 FOUND = _bind()
-
-
-def _gemm(name: str, real: types.Type) -> types.ExternalFunction:
-    """``C = alpha op(A) op(B) + beta C``: (order, transA, transB, M, N, K, alpha, A, lda, B, ldb,
-    beta, C, ldc), addresses as ``uint64``."""
-    i, n, p = types.int32, types.int64, types.uint64
-    return types.ExternalFunction(name, types.void(i, i, i, n, n, n, real, p, n, p, n, real, p, n))
-
-
-SGEMM = _gemm("tra_sgemm", types.float32)
-DGEMM = _gemm("tra_dgemm", types.float64)

@@ -152,13 +152,17 @@ def kernel_sources() -> bytes:
     return digest.digest()
 
 
+def module_name_of(source: str, prefix: str) -> str:
+    """The name ``load_module`` gives the module of generated ``source``."""
+    return f"{prefix}_{hashlib.sha1(kernel_sources() + source.encode()).hexdigest()[:16]}"
+
+
 def load_module(source: str, prefix: str):
     """The module of generated ``source``, written once as ``<prefix>_<digest>.py`` in the
     kernel cache directory (Numba caches the machine code of its functions beside it) and
     imported under that name (callers hold a lock: the first import compiles). The digest is
     of ``source`` and of the kernel sources it was generated under (``kernel_sources``)."""
-    digest = hashlib.sha1(kernel_sources() + source.encode()).hexdigest()[:16]
-    module_name = f"{prefix}_{digest}"
+    module_name = module_name_of(source, prefix)
     if module_name in sys.modules:
         return sys.modules[module_name]
     path = cache_dir() / f"{module_name}.py"

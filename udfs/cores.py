@@ -6,7 +6,7 @@ both slow down several times: the two backward products of an MLP training step 
 and 0.23 s side by side, 0.015 and 0.034 s one after the other. ``all_cores`` serializes
 such kernels; single-threaded kernels keep running side by side. The lock is a pthread mutex
 (``MUTEX``, its address) so that native kernels, which run without the GIL, take the same
-turns (``lock``/``unlock``, callable from nopython code).
+turns (``nopython.lock``/``nopython.unlock``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import ctypes.util
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
-from numba import types
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
 _STORAGE = np.zeros(128, dtype=np.uint8)  # room for any platform's pthread_mutex_t
@@ -26,10 +25,6 @@ if _LIBC.pthread_mutex_init(ctypes.c_void_p(MUTEX), None) != 0:
 _lock_mutex, _unlock_mutex = _LIBC.pthread_mutex_lock, _LIBC.pthread_mutex_unlock
 for _function in (_lock_mutex, _unlock_mutex):
     _function.argtypes = [ctypes.c_void_p]
-
-lock = types.ExternalFunction("pthread_mutex_lock", types.int32(types.uint64))
-unlock = types.ExternalFunction("pthread_mutex_unlock", types.int32(types.uint64))
-
 
 @contextmanager
 def _turn():

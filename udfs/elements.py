@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tra_sql.errors import CorruptTileError, DTypeError, ShapeError, SpecError, SQLError
 from tra_sql.udfs.arrowio import binary_array, binary_views, first_string, key_matrix, list_views
@@ -33,6 +32,7 @@ def _decode(tiles, dtypes, out: type) -> pa.Array:
     """The elements of every tile as one list per row, converted to ``out``."""
     data, offsets, valid = binary_views(tiles)
     names = dtypes.combine_chunks() if isinstance(dtypes, pa.ChunkedArray) else dtypes
+    import pyarrow.compute as pc  # 60 ms to import: only when needed
     distinct = pc.unique(names)
     if valid.all() and len(distinct) == 1 and distinct[0].is_valid:
         dtype = _dtype(distinct[0].as_py())
@@ -154,6 +154,7 @@ def pack_tiles(meta_col, keys_col, index_col, values_col) -> pa.Array:
     keys = key_matrix(keys_col, rank)
     starts, flat_index = list_views(index_col)
     _, flat_values = list_views(values_col)
+    import pyarrow.compute as pc  # 60 ms to import: only when needed
     if flat_index.null_count or pc.list_flatten(flat_index).null_count:
         raise ShapeError(f"{name}(): an element index is NULL")
     index = key_matrix(flat_index, rank)

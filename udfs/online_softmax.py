@@ -20,8 +20,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from tra_sql.udfs.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
-from tra_sql.udfs.cores import lock, unlock
+from tra_sql.udfs.blas import NO_TRANS, ROW_MAJOR, TRANS
+from tra_sql.udfs.nopython import DGEMM, SGEMM, lock, unlock
 
 ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
 LOG2E = 1.4426950408889634

@@ -59,6 +59,6 @@ def register_kernels(con: duckdb.DuckDBPyConnection, kernels) -> None:
             continue
         params = kernel.params
         con.create_function(
-            kernel.name, _with_arity(implementation(kernel), len(params)), [duckdb.sqltype(p) for p in params],
-            duckdb.sqltype(kernel.result), type="arrow", null_handling="special", exception_handling="default",
+            kernel.name, _with_arity(implementation(kernel), len(params)), [con.sqltype(p) for p in params],
+            con.sqltype(kernel.result), type="arrow", null_handling="special", exception_handling="default",
         )

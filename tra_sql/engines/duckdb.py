@@ -23,8 +23,8 @@ from tra_sql.engines import duckdb_catalog, staged
 from tra_sql.engines.base import Engine
 from tra_sql.errors import ExecutionError, SpecError, TraError
 from tra_sql.udfs import protocol, register_kernels
+from tra_sql.udfs.native.capi import ERROR_PREFIX
 from tra_sql.udfs.native.kernels import NativeKernels, requested
-from tra_sql.udfs.native.memory import ERROR_PREFIX
 
 if TYPE_CHECKING:
     from tra_sql.compile.program import Program

@@ -16,17 +16,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import CORRUPT, address, blob, f32, f64, put_text, u8, u64, valid
-from tra_sql.udfs.protocol import TILE_REDUCTIONS
-
-STATE = 16  # bytes of a state: buffer address, its length
-AGGS = {"sum": 0, "max": 1, "min": 2, "prod": 3}  # the element-wise folds (the ufuncs of AGGREGATES)
-DTYPES = {"float32": 0, "float64": 1}
-OVERLAY = 4  # the fold of states whose tiles hold disjoint pieces, zeros elsewhere: bytes OR-ed (``placement``)
-#: (agg, dtype) -> the function's extra info: its fold and dtype codes
-OPS = {(agg, dtype): np.array([AGGS[agg], DTYPES[dtype]], dtype=np.int64) for agg, dtype in TILE_REDUCTIONS}
+from tra_sql.udfs.native.plans import OVERLAY, STATE
 
 malloc = types.ExternalFunction("malloc", types.uint64(types.uint64))
 free = types.ExternalFunction("free", types.void(types.uint64))

@@ -21,11 +21,12 @@ from numba import njit, types
 from tra_sql.udfs import cores, online_softmax
 from tra_sql.udfs.attention import AttentionMeta, native_attention
 from tra_sql.udfs.native.aggregate import corrupt, malloc
-from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.fused import EXTRA, error_record, step_plan, step_text
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
+from tra_sql.udfs.native.fused import step_plan, step_text
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, i64, u8, u64
-from tra_sql.udfs.native.operands import HEADER, OPERAND, indices, operands, plan_length, sources, tables
+from tra_sql.udfs.native.operands import operands, plan_length
+from tra_sql.udfs.native.plans import EXTRA, HEADER, OPERAND, error_record, indices, sources, tables
 from tra_sql.udfs.protocol import AttentionStep
 
 # geometry: its length, scale (float64 bits), the letters per role (batch, rows, inner, keys,

@@ -1,21 +1,18 @@
 """DuckDB's C API, from the ``duckdb`` package's own extension module (``_duckdb`` exports it
-whole): ``LIB``, ctypes functions for Python (``CAPI.<name>``), and Numba external functions
-for native kernels (``NATIVE.<name>``, every pointer a ``uint64`` address)."""
+whole): ``LIB``, ctypes functions for Python (``CAPI.<name>``), and the functions' signatures
+(``SIGNATURES``; native kernels call them as ``duckdb_calls.NATIVE.<name>``)."""
 
 from __future__ import annotations
 
 import ctypes
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import _duckdb
 from llvmlite import binding
-from numba import types
 
 # C types by code: p pointer, s C string, i idx_t, b bool, n int (an enum or duckdb_state), v void
 _CTYPES = {"p": ctypes.c_void_p, "s": ctypes.c_char_p, "i": ctypes.c_uint64, "b": ctypes.c_bool,
            "n": ctypes.c_int, "v": None}
-_NUMBA = {"p": types.uint64, "s": types.uint64, "i": types.uint64, "b": types.boolean, "n": types.int32,
-          "v": types.void}
 
 #: name -> result code, parameter codes
 SIGNATURES = {
@@ -78,6 +75,7 @@ SIGNATURES = {
 }
 
 BIGINT, BLOB, VARCHAR = 5, 18, 17  # duckdb_type codes (duckdb.h)
+ERROR_PREFIX = "tra_sql kernel: "  # of the errors kernels report; tra_sql.engines.duckdb translates them
 
 LIB = ctypes.CDLL(_duckdb.__file__)
 binding.load_library_permanently(_duckdb.__file__)  # native kernels resolve the API by name
@@ -91,12 +89,4 @@ def _python(name: str, codes: str):
     return function
 
 
-def _native(name: str, codes: str):
-    result, *params = codes.split()
-    return types.ExternalFunction(name, _NUMBA[result](*(_NUMBA[c] for c in params)))
-
-
 CAPI = SimpleNamespace(**{name: _python(name, codes) for name, codes in SIGNATURES.items()})
-NATIVE = ModuleType(f"{__name__}.NATIVE")  # a module: nopython code resolves its attributes
-for _name, _codes in SIGNATURES.items():
-    setattr(NATIVE, _name, _native(_name, _codes))

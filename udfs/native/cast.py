@@ -15,12 +15,11 @@ import numpy as np
 from numba import njit, types
 
 from tra_sql.udfs.cast import CastStep
-from tra_sql.udfs.native import results
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.capi import ERROR_PREFIX
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import (
     CORRUPT,
-    ERROR_PREFIX,
     address,
     blob,
     f32,
@@ -33,13 +32,14 @@ from tra_sql.udfs.native.memory import (
     u8,
     valid,
 )
-from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
+from tra_sql.udfs.native.operands import list_entry, set_error
+from tra_sql.udfs.native.plans import MESSAGE, zeros
 from tra_sql.udfs.native.results import finish, reserve
 
 DTYPES = ("float32", "float64", "int32", "int64")  # a dtype's code is its place here
 # plan: the source's dtype code and itemsize, the target's, the rank, the address of the text
 # (the tensor's name, then the target dtype's), the name's length, the target name's length,
-# the address of zeros as long as the largest result tile (``results.zeros``); then shape and
+# the address of zeros as long as the largest result tile (``plans.zeros``); then shape and
 # tile per dimension
 HEADER = 9
 NOT_INTEGRAL = np.frombuffer(f"{ERROR_PREFIX}DTypeError: ".encode(), np.uint8)
@@ -55,7 +55,7 @@ def plan(text: str) -> tuple[np.ndarray, ...]:
     largest = np.dtype(step.dtype).itemsize * int(np.prod(np.minimum(step.tile, step.shape), dtype=np.int64))
     head = [DTYPES.index(step.source), np.dtype(step.source).itemsize, DTYPES.index(step.dtype),
             np.dtype(step.dtype).itemsize, len(step.shape), chars.ctypes.data, len(name), len(target),
-            results.zeros(largest)]
+            zeros(largest)]
     return np.array([*head, *step.shape, *step.tile], dtype=np.int64), chars
 
 

@@ -17,25 +17,15 @@ import numpy as np
 from numba import types
 
 from tra_sql.udfs.contract import gemm_form, native_chain
-from tra_sql.udfs.cores import lock, unlock
 from tra_sql.udfs.native import loops
-from tra_sql.udfs.native.capi import NATIVE as C
 from tra_sql.udfs.native.contract import gemm
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, call3, i64
-from tra_sql.udfs.native.operands import (
-    HEADER,
-    OPERAND,
-    code,
-    dimensions,
-    fold_dim,
-    indices,
-    operands,
-    plan_length,
-    sources,
-    tables,
-)
+from tra_sql.udfs.native.operands import fold_dim, operands, plan_length
+from tra_sql.udfs.native.plans import HEADER, OPERAND, code, dimensions, indices, sources, tables
 from tra_sql.udfs.native.results import finish, reserve
+from tra_sql.udfs.nopython import lock, unlock
 from tra_sql.udfs.protocol import ChainStep
 
 SECTION = 5  # words of the chain section's header

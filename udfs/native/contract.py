@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from tra_sql.udfs.blas import DGEMM, NO_TRANS, ROW_MAJOR, SGEMM, TRANS
-from tra_sql.udfs.cores import lock, unlock
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.blas import NO_TRANS, ROW_MAJOR, TRANS
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import address, call3, i64
-from tra_sql.udfs.native.operands import HEADER, OPERAND, gemm_sizes, operands, out_bytes, plan_length
+from tra_sql.udfs.native.operands import gemm_sizes, operands, out_bytes, plan_length
+from tra_sql.udfs.native.plans import HEADER, OPERAND
 from tra_sql.udfs.native.results import finish, reserve
+from tra_sql.udfs.nopython import DGEMM, SGEMM, lock, unlock
 
 
 @njit(cache=True)

@@ -12,10 +12,11 @@ import numpy as np
 from numba import njit, types
 
 from tra_sql.udfs.native.aggregate import memcpy
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import CORRUPT, address, grid_tile, i64, put_text, u8
-from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
+from tra_sql.udfs.native.operands import list_entry, set_error
+from tra_sql.udfs.native.plans import MESSAGE
 from tra_sql.udfs.protocol import FillStep
 
 # plan: itemsize, rank, the address of the element's bytes; then shape and tile per dimension

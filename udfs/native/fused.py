@@ -16,49 +16,19 @@ fails cleanly."""
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 from numba import njit, types
 
-from tra_sql.udfs.cores import lock, unlock
-from tra_sql.udfs.native.aggregate import AGGS, DTYPES, corrupt, malloc
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.aggregate import corrupt, malloc
 from tra_sql.udfs.native.contract import gemm
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.images import native
-from tra_sql.udfs.native.memory import ERROR_PREFIX, address, blob, call2, i64, u8, u64, valid
-from tra_sql.udfs.native.operands import HEADER, gemm_sizes, operands, plan, plan_length, set_error
-from tra_sql.udfs.protocol import EinsumStep
+from tra_sql.udfs.native.memory import address, blob, call2, i64, u8, u64, valid
+from tra_sql.udfs.native.operands import gemm_sizes, operands, plan_length, set_error
+from tra_sql.udfs.native.plans import EXTRA, HEADER
+from tra_sql.udfs.nopython import lock, unlock
 
-LOOKUP = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
 FUSED = np.frombuffer(b"a fused contraction", np.uint8)  # the function, in its errors
-EXTRA = 3  # words of a function's extra info: fold (sum), dtype code, the LOOKUP callback's address
-
-
-def extra_info(dtype: str, lookup: int) -> np.ndarray:
-    """The extra info of the ``dtype`` function: the whole-tile sum's (``aggregate.OPS``), then
-    the address of the binding's ``LOOKUP`` callback."""
-    return np.array([AGGS["sum"], DTYPES[dtype], lookup], dtype=np.int64)
-
-
-def error_record(err: Exception, what: str) -> np.ndarray:
-    """The record ``LOOKUP`` answers for a text that is not a step: a word 1, the length of an
-    error message about ``what``, then the message and a NUL."""
-    message = f"{ERROR_PREFIX}{type(err).__name__}: {what}: {err}".encode()
-    record = np.zeros(16 + len(message) + 1, dtype=np.uint8)
-    record[:16] = np.array([1, len(message)], dtype=np.int64).view(np.uint8)
-    record[16:16 + len(message)] = np.frombuffer(message, np.uint8)
-    return record
-
-
-def found(text: str) -> tuple[np.ndarray, ...]:
-    """What ``LOOKUP`` answers for step text ``text`` (its first array's address): a word 0,
-    then the step's plan (the arrays after it: what the plan points to); or ``error_record``'s."""
-    try:
-        product, names = plan(EinsumStep.decode(text), product=True)
-    except Exception as err:  # not a native product's step: the update reports it
-        return (error_record(err, "the step of a fused contraction"),)
-    return np.concatenate([np.zeros(1, np.int64), product]), names
 
 
 @njit(cache=True)

@@ -17,7 +17,7 @@ import builtins
 import ctypes
 import glob
 import hashlib
-import importlib.metadata
+import importlib
 import importlib.util
 import json
 import os
@@ -67,6 +67,12 @@ def native(signature) -> Callable[[Callable], Native]:
     return lambda function: Native(signature, function)
 
 
+def callback(module: str, name: str) -> int:
+    """The address of ``Native`` callback ``name`` of ``module``, importing the module (and
+    Numba) only when it has no usable image."""
+    return address(module, name, lambda: getattr(importlib.import_module(module), name).compile())
+
+
 def address(module: str, name: str, compile: Callable) -> int:
     """The address of callback ``name`` of ``module`` from its image, loaded once per process;
     ``compile()`` makes a Numba ``cfunc`` of it when there is no usable image."""
@@ -97,12 +103,19 @@ def image_path(module: str, name: str) -> Path:
 
 @cache
 def environment() -> str:
-    """A digest of what an image's code depends on: the kernel sources, Python's, Numba's,
-    llvmlite's and NumPy's versions, Numba's settings and the CPU."""
-    parts = [sys.version, sys.platform, *_host(),
-             *(importlib.metadata.version(p) for p in ("numba", "llvmlite", "numpy")),
+    """A digest of what an image's code depends on: the kernel sources, Python's version,
+    Numba's, llvmlite's and NumPy's installations (where, and when they were written), Numba's
+    settings and the CPU."""
+    parts = [sys.version, sys.platform, *_host(), *map(_installed, ("numba", "llvmlite", "numpy")),
              *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NUMBA_"))]
     return hashlib.sha1(kernel_sources() + "\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _installed(package: str) -> str:
+    """Where ``package`` is installed and when (no import: Numba's takes a quarter second)."""
+    origin = importlib.util.find_spec(package).origin
+    stat = os.stat(origin)
+    return f"{origin}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
 @cache

@@ -6,7 +6,9 @@ A native scalar kernel is specialised per step when DuckDB binds a call: the bin
 reads the call's constant step argument, and the call's bind data points to the step's plan
 (an int64 array this object keeps for the connection's life). Aggregates have no bind: the
 fused contraction aggregate (``fused``) asks this object for a step's plan while it runs, by
-the step's text (``_lookup``)."""
+the step's text (``_lookup``). Callbacks are loaded from their images (``images``) and plans
+built by ``plans``: registering kernels and binding steps import no Numba where every kernel
+has its image."""
 
 from __future__ import annotations
 
@@ -23,9 +25,8 @@ import numpy as np
 
 from tra_sql.errors import SpecError
 from tra_sql.udfs import blas
-from tra_sql.udfs.native import capi, loader
+from tra_sql.udfs.native import capi, images, loader, plans
 from tra_sql.udfs.native.capi import CAPI
-from tra_sql.udfs.native.memory import ERROR_PREFIX
 from tra_sql.udfs.protocol import ATTENTIONS, CONTRACTIONS, PLACEMENTS, REDUCTIONS, ChainStep, EinsumStep, Kernel
 
 _TYPES = {"VARCHAR": capi.VARCHAR, "BIGINT": capi.BIGINT, "BLOB": capi.BLOB}
@@ -42,42 +43,32 @@ class Native:
 
 
 def _row(kind: str) -> Native:
-    """The per-row kernel (``contract.KERNEL``), specialised by its step's plan (``operands.plan``)."""
-    def callback() -> int:
-        from tra_sql.udfs.native import contract  # compiled (or read from Numba's cache) when first registered
-
-        return contract.KERNEL.address
-
-    def plan(text: str) -> tuple[np.ndarray, ...]:
-        from tra_sql.udfs.native import operands
-
-        return operands.plan(EinsumStep.decode(text), product=kind == "contract")
-    return Native(callback, plan)
+    """The per-row kernel (``contract.KERNEL``), specialised by its step's plan (``plans.plan``)."""
+    return Native(partial(_callback, "contract", "KERNEL"),
+                  lambda text: plans.plan(EinsumStep.decode(text), product=kind == "contract"))
 
 
 def _chain() -> Native:
     """The chain kernel (``chain.KERNEL``), specialised by its chain's plan (``chain.plan``)."""
-    def callback() -> int:
-        from tra_sql.udfs.native import chain
-
-        return chain.KERNEL.address
-
     def plan(text: str) -> tuple[np.ndarray, ...]:
         from tra_sql.udfs.native import chain
 
         return chain.plan(ChainStep.decode(text))
-    return Native(callback, plan)
+    return Native(partial(_callback, "chain", "KERNEL"), plan)
 
 
 def _module(name: str) -> Native:
     """The kernel of module ``udfs.native.<name>`` (its ``KERNEL``), specialised by its step's
     plan (its ``plan``)."""
-    def callback() -> int:
-        return importlib.import_module(f"tra_sql.udfs.native.{name}").KERNEL.address
-
     def plan(text: str) -> tuple[np.ndarray, ...]:
         return importlib.import_module(f"tra_sql.udfs.native.{name}").plan(text)
-    return Native(callback, plan)
+    return Native(partial(_callback, name, "KERNEL"), plan)
+
+
+def _callback(module: str, name: str) -> int:
+    """The address of callback ``name`` of ``udfs.native.<module>``: its image's (``images``),
+    the module imported (with Numba) only when there is none."""
+    return images.callback(f"tra_sql.udfs.native.{module}", name)
 
 
 #: kind -> its native implementation: the BLAS product (``contract.gemm_form``), the steps
@@ -180,51 +171,48 @@ class NativeKernels:
 
     def _register_reduction(self, kernel: Kernel) -> None:
         """The aggregate function of a whole-tile reduction (``aggregate``)."""
-        from tra_sql.udfs.native import aggregate  # compiled (or read from Numba's cache) when first registered
-
         _, agg, dtype = kernel.kind.split("_")
-        self._register_aggregate(kernel, aggregate.UPDATE, aggregate.OPS[agg, dtype])
+        self._register_aggregate(kernel, _callback("aggregate", "UPDATE"), plans.OPS[agg, dtype])
 
     def _register_contraction(self, kernel: Kernel) -> None:
         """The fused contraction aggregate of one dtype (``fused``)."""
-        from tra_sql.udfs.native import fused  # compiled (or read from Numba's cache) when first registered
-
-        lookup = self._lookup_address("contract_agg", fused.found)
-        self._register_aggregate(kernel, fused.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup))
+        lookup = self._lookup_address("contract_agg", plans.found)
+        self._register_aggregate(kernel, _callback("fused", "UPDATE"),
+                                 plans.extra_info(kernel.kind.split("_")[-1], lookup))
 
     def _register_attention(self, kernel: Kernel) -> None:
         """The native attention aggregate of one dtype and arity (``native.attention``)."""
-        from tra_sql.udfs.native import aggregate, attention, fused
+        from tra_sql.udfs.native import attention
 
         lookup = self._lookup_address("attention_agg", attention.found)
-        self._register_aggregate(kernel, attention.UPDATE, fused.extra_info(kernel.kind.split("_")[-1], lookup),
-                                 (attention.COMBINE, attention.FINALIZE, aggregate.DESTROY))
+        self._register_aggregate(kernel, _callback("attention", "UPDATE"),
+                                 plans.extra_info(kernel.kind.split("_")[-1], lookup),
+                                 (_callback("attention", "COMBINE"), _callback("attention", "FINALIZE"),
+                                  _callback("aggregate", "DESTROY")))
 
     def _register_placement(self, kernel: Kernel) -> None:
         """A placement aggregate (``native.placement``): its states combine as the tile sum's
-        (summed pieces) or OR-ed (``aggregate.OVERLAY``: written pieces; dtype code -1)."""
-        from tra_sql.udfs.native import aggregate, fused, placement
+        (summed pieces) or OR-ed (``plans.OVERLAY``: written pieces; dtype code -1)."""
+        from tra_sql.udfs.native import placement
 
         lookup = self._lookup_address("place", placement.found)
-        extra = (np.array([aggregate.OVERLAY, -1, lookup], dtype=np.int64) if kernel.kind == "place_agg"
-                 else fused.extra_info(kernel.kind.split("_")[-1], lookup))
-        self._register_aggregate(kernel, placement.UPDATE, extra)
+        extra = (np.array([plans.OVERLAY, -1, lookup], dtype=np.int64) if kernel.kind == "place_agg"
+                 else plans.extra_info(kernel.kind.split("_")[-1], lookup))
+        self._register_aggregate(kernel, _callback("placement", "UPDATE"), extra)
 
     def _lookup_address(self, family: str, found: Callable[[str], tuple[np.ndarray, ...]]) -> int:
-        """The address of ``family``'s plan lookup callback (``fused.LOOKUP``), made once."""
-        from tra_sql.udfs.native import fused
-
+        """The address of ``family``'s plan lookup callback (``plans.LOOKUP``), made once."""
         if family not in self._lookups:
-            self._lookups[family] = fused.LOOKUP(partial(self._lookup, family, found))
+            self._lookups[family] = plans.LOOKUP(partial(self._lookup, family, found))
         return ctypes.cast(self._lookups[family], ctypes.c_void_p).value
 
-    def _register_aggregate(self, kernel: Kernel, update, extra: np.ndarray, callbacks=None) -> None:
-        """An aggregate function with a whole-tile sum's state (``aggregate``), ``update`` folding
-        rows into it and ``extra`` (kept while the database may call it) as its extra info;
-        ``callbacks``: its own (combine, finalize, destructor) instead of the sum's."""
-        from tra_sql.udfs.native import aggregate
-
-        combine, finalize, destroy = callbacks or (aggregate.COMBINE, aggregate.FINALIZE, aggregate.DESTROY)
+    def _register_aggregate(self, kernel: Kernel, update: int, extra: np.ndarray, callbacks=None) -> None:
+        """An aggregate function with a whole-tile sum's state (``aggregate``), the callback at
+        ``update`` folding rows into it and ``extra`` (kept while the database may call it) as
+        its extra info; ``callbacks``: the addresses of its own (combine, finalize, destructor)
+        instead of the sum's."""
+        sum_callbacks = ("COMBINE", "FINALIZE", "DESTROY")
+        combine, finalize, destroy = callbacks or (_callback("aggregate", name) for name in sum_callbacks)
         self._extra[kernel] = extra
         function = CAPI.duckdb_create_aggregate_function()
         try:
@@ -232,9 +220,9 @@ class NativeKernels:
             _declare(kernel, function, CAPI.duckdb_aggregate_function_add_parameter,
                      CAPI.duckdb_aggregate_function_set_return_type)
             CAPI.duckdb_aggregate_function_set_special_handling(function)  # NULL tiles reach the update
-            CAPI.duckdb_aggregate_function_set_functions(
-                function, *(c.address for c in (aggregate.STATE_SIZE, aggregate.INIT, update, combine, finalize)))
-            CAPI.duckdb_aggregate_function_set_destructor(function, destroy.address)
+            state_size, init = _callback("aggregate", "STATE_SIZE"), _callback("aggregate", "INIT")
+            CAPI.duckdb_aggregate_function_set_functions(function, state_size, init, update, combine, finalize)
+            CAPI.duckdb_aggregate_function_set_destructor(function, destroy)
             CAPI.duckdb_aggregate_function_set_extra_info(function, extra.ctypes.data, None)
             if CAPI.duckdb_register_aggregate_function(self.connection, function) != 0:
                 raise RuntimeError(f"DuckDB refused native aggregate {kernel.name}")
@@ -242,8 +230,8 @@ class NativeKernels:
             CAPI.duckdb_destroy_aggregate_function(ctypes.byref(ctypes.c_void_p(function)))
 
     def _lookup(self, family: str, found, at: int, length: int) -> int:
-        """The aggregates' callback (``fused.LOOKUP``): the address of the ``found`` record
-        (``fused.found``, ``attention.found``) of the step text at ``at``, built once per text
+        """The aggregates' callback (``plans.LOOKUP``): the address of the ``found`` record
+        (``plans.found``, ``attention.found``) of the step text at ``at``, built once per text
         (0 only if that fails)."""
         try:
             text = ctypes.string_at(at, length).decode(errors="replace")
@@ -266,7 +254,7 @@ class NativeKernels:
             CAPI.duckdb_scalar_function_set_bind_data(info, plan[0].ctypes.data, None)
             CAPI.duckdb_scalar_function_set_bind_data_copy(info, self.same)
         except Exception as err:  # reported to DuckDB, which raises it
-            CAPI.duckdb_scalar_function_bind_set_error(info, f"{ERROR_PREFIX}{type(err).__name__}: {err}"
+            CAPI.duckdb_scalar_function_bind_set_error(info, f"{capi.ERROR_PREFIX}{type(err).__name__}: {err}"
                                                        .encode())
 
 

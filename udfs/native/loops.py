@@ -5,7 +5,7 @@ address, ``tiles`` the address of the operand tiles' addresses, ``extents`` the 
 their extents (int64, operand after operand). It views the memory as arrays of the spec's
 ranks, sets ``out`` to the aggregate's identity unless the kernel assigns, and runs the loops
 (never threaded: it runs on DuckDB's threads). Each body is written as a module beside the
-loop kernel's and compiled once per (spec, join, aggregate, dtype), cached on disk by Numba."""
+loop kernel's and compiled once per (spec, join, aggregate, dtype), its image cached (``images``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from functools import cache
 import numpy as np
 
 from tra_sql.aggregates import AGGREGATES
-from tra_sql.udfs.codegen import canonical, load_module, loop_kernel
+from tra_sql.udfs.codegen import canonical, kernel_source, load_module, loop_kernel, module_name_of
+from tra_sql.udfs.native import images
 
 _compiling = threading.Lock()
 
@@ -79,6 +80,10 @@ def body(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: 
 
 @cache
 def _compiled(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: str, assign: bool) -> int:
-    kernel = loop_kernel(inputs, output, join_code, agg, assign=assign)
-    module = load_module(body_source(kernel.__module__, inputs, output, agg, dtype, assign), "tra_native")
-    return module.body.address
+    kernel_module = module_name_of(kernel_source(inputs, output, join_code, agg, assign=assign), "tra_kernel")
+    source = body_source(kernel_module, inputs, output, agg, dtype, assign)
+
+    def compile():  # the loop kernel's module first: the body's imports it
+        loop_kernel(inputs, output, join_code, agg, assign=assign)
+        return load_module(source, "tra_native").body.compile()
+    return images.address(module_name_of(source, "tra_native"), "body", compile)

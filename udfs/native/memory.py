@@ -9,6 +9,8 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
+from tra_sql.udfs.native.capi import ERROR_PREFIX
+
 
 @intrinsic
 def address(typingctx, pointer):
@@ -110,7 +112,6 @@ def grid_tile(shape, tile, keys, extents) -> int:
     return n
 
 
-ERROR_PREFIX = "tra_sql kernel: "  # tra_sql.engines.duckdb translates errors that start so
 CORRUPT = np.frombuffer(f"{ERROR_PREFIX}CorruptTileError: ".encode(), np.uint8)  # a corrupt tile's error
 STRING_T = 16  # bytes of one duckdb_string_t
 INLINED = 12  # the longest string stored inside its duckdb_string_t

@@ -10,112 +10,13 @@ DuckDB's error call as a ``CorruptTileError`` naming the tensor and the tile."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 from numba import njit
 
-from tra_sql.udfs import cores, sparse
-from tra_sql.udfs.contract import gemm_form, native_loop
-from tra_sql.udfs.expr import join_code
-from tra_sql.udfs.native import loops, results
-from tra_sql.udfs.native import sparse as native_sparse
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.memory import CORRUPT, blob, i64, put_int, put_text, u8, u64, valid
+from tra_sql.udfs.native.plans import DIM, HEADER, MESSAGE, OPERAND
 from tra_sql.udfs.native.sparse import csr_tile
-from tra_sql.udfs.protocol import EinsumStep
-
-# header: dtype code (0 float32, 1 float64), itemsize, operands (the step's, then its
-# epilogue's others), the step's own operands, the address of the text (operand names, then
-# the dtype's name), the kernels' mutex (``cores``), trans_a, trans_b, swap (a BLAS product),
-# the step's loop body and the epilogue's (``loops``; 0: the BLAS product, no epilogue), the
-# output's rank, the epilogue's operands, dimensions, indices, (offset, length) of the dtype's
-# name, the CSR operand (``native.sparse``; -1: none), the address of zeros as long as the
-# largest result tile (``results.zeros``); then per operand (rank, its first
-# dimension, offset and length of its name); per
-# output dimension the dimension its extent is read from; per epilogue operand the operand
-# it is (-1: the step's result); per dimension (size, tile, index, BLAS group)
-HEADER = 19
-OPERAND = 4
-DIM = 4
-MESSAGE = 512
-
-
-def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(the plan, the text it points to) of a step ``gemm_form`` or (unless ``product``: the
-    BLAS product's kernels, ``tra_contract_2`` and the fused aggregate) ``native_loop`` accepts."""
-    if product and gemm_form(step) is None:
-        raise ValueError(f"{step.inputs}->{step.output} is not a native BLAS product")
-    form = gemm_form(replace(step, epilogue=None))
-    if form is None and not native_loop(step):
-        raise ValueError(f"{step.inputs}->{step.output} is not a native product or loop")
-    csr = sparse.native_product(replace(step, epilogue=None))
-    after = step.epilogue
-    index = indices(step.inputs, step.output)
-    subs, names = list(step.inputs), list(step.names)
-    dims = dimensions(step, index, form.groups if form else None)
-    slots = []
-    if after is not None:  # the epilogue's indices are the step's output's
-        ours = {c: step.output[after.output.index(c)] for c in after.output}
-        for j, sub in enumerate(after.inputs):
-            slots.append(-1 if j == after.position else len(subs))
-            if j != after.position:
-                subs.append(sub)
-                names.append(after.names[j])
-                dims += [(after.sizes[c], after.tiles[c], index[ours[c]], 0) for c in sub]
-    blas = (form.trans_a, form.trans_b, form.swap) if form else (0, 0, 0)
-    if csr is not None:
-        body = native_sparse.body(*csr, len(step.inputs[1 - csr[0]]), step.out_dtype)
-    else:
-        body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
-    epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype) if after else 0
-    return tables(step.out_dtype, subs, names, dims, sources(step.inputs, step.output), slots, blas, body, epilogue,
-                  len(step.inputs), len(index), -1 if csr is None else csr[0])
-
-
-def code(step: EinsumStep) -> str:
-    """The Numba expression of ``step``'s join (the product without one)."""
-    return join_code(step.join, len(step.inputs)) if step.join else " * ".join(f"x{m}" for m in range(len(step.inputs)))
-
-
-def indices(inputs, output: str) -> dict[str, int]:
-    """A number per index, in order of first appearance."""
-    return {c: i for i, c in enumerate(dict.fromkeys("".join(inputs) + output))}
-
-
-def dimensions(step: EinsumStep, index: dict[str, int], groups=None) -> list[tuple[int, ...]]:
-    """(size, tile, index, BLAS group) of every dimension of ``step``'s operands."""
-    return [(step.sizes[c], step.tiles[c], index[c], groups[m][d] if groups else 0)
-            for m, sub in enumerate(step.inputs) for d, c in enumerate(sub)]
-
-
-def sources(inputs, output: str) -> list[int]:
-    """Per output index, the position (operand after operand) of its first dimension."""
-    flat: dict[str, int] = {}
-    at = 0
-    for sub in inputs:
-        for d, c in enumerate(sub):
-            flat.setdefault(c, at + d)
-        at += len(sub)
-    return [flat[c] for c in output]
-
-
-def tables(dtype: str, subs, names, dims, out, slots, blas, body: int, epilogue: int, own: int,
-           count: int, csr: int = -1, largest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The plan (see the layout above) and its text; ``largest``: the bytes of the largest
-    result tile, if not that of the output ``out`` gives."""
-    words = [name.encode() for name in names] + [dtype.encode()]
-    text = np.frombuffer(b"".join(words) + b"\x00", dtype=np.uint8).copy()
-    starts = np.cumsum([0] + [len(w) for w in words])
-    firsts = np.cumsum([0] + [len(sub) for sub in subs])
-    if largest is None:
-        largest = np.dtype(dtype).itemsize * int(np.prod([min(dims[d][1], dims[d][0]) for d in out], dtype=np.int64))
-    header = [0 if dtype == "float32" else 1, np.dtype(dtype).itemsize, len(subs), own, text.ctypes.data,
-              cores.MUTEX, *blas, body, epilogue, len(out), len(slots), len(dims), count, int(starts[-2]),
-              len(words[-1]), csr, results.zeros(largest)]
-    for m, sub in enumerate(subs):
-        header += [len(sub), int(firsts[m]), int(starts[m]), len(words[m])]
-    return np.array(header + list(out) + list(slots) + [v for dim in dims for v in dim], dtype=np.int64), text
 
 
 @njit(cache=True)

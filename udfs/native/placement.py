@@ -20,8 +20,8 @@ import numpy as np
 from numba import njit, types
 
 from tra_sql.udfs.native.aggregate import corrupt, memcpy
-from tra_sql.udfs.native.capi import NATIVE as C
-from tra_sql.udfs.native.fused import EXTRA, error_record, looked_up, step_text
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
+from tra_sql.udfs.native.fused import looked_up, step_text
 from tra_sql.udfs.native.images import native
 from tra_sql.udfs.native.memory import (
     CORRUPT,
@@ -37,7 +37,8 @@ from tra_sql.udfs.native.memory import (
     u64,
     valid,
 )
-from tra_sql.udfs.native.operands import MESSAGE, list_entry, set_error
+from tra_sql.udfs.native.operands import list_entry, set_error
+from tra_sql.udfs.native.plans import EXTRA, MESSAGE, error_record
 from tra_sql.udfs.protocol import FLOATS, PlaceStep, placement_aggregate
 
 calloc = types.ExternalFunction("calloc", types.uint64(types.uint64, types.uint64))

@@ -5,29 +5,11 @@ beside them. No result buffer, no copy of the result."""
 
 from __future__ import annotations
 
-import mmap
-import threading
-
 import numpy as np
 from numba import njit
 
-from tra_sql.udfs.native.capi import NATIVE as C
+from tra_sql.udfs.native.duckdb_calls import NATIVE as C
 from tra_sql.udfs.native.memory import INLINED, STRING_T, blob, u8, u32, u64
-
-_ZEROS: list[mmap.mmap] = []  # every mapping handed out stays: plans hold their addresses
-_ZEROS_LOCK = threading.Lock()
-
-
-def zeros(nbytes: int) -> int:
-    """The address of at least ``nbytes`` of zeros that are never written (an anonymous
-    read-only mapping: reading it maps the kernel's one zero page, costing no memory). A
-    kernel hands it to ``duckdb_vector_assign_string_element_len`` to have DuckDB allocate a
-    result it then writes where it lies (``reserve``)."""
-    with _ZEROS_LOCK:
-        if not _ZEROS or len(_ZEROS[-1]) < nbytes:
-            size = max(nbytes, 2 * len(_ZEROS[-1]) if _ZEROS else 64 << 20)
-            _ZEROS.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ))
-        return np.frombuffer(_ZEROS[-1], np.uint8).ctypes.data
 
 
 @njit(cache=True)
