@@ -10,7 +10,7 @@ of one ``malloc``ed block: a header (B, R, C, itemsize, the output's rank, then 
 dimension its extent and its stride in the (batch, rows, cols) result), then the row max
 (B, R), the row sum (B, R) and acc (B, R, C), of the step's one float dtype. Like the fused
 contraction aggregate (``fused``), one function per dtype and arity serves every step: the
-update asks the binding for the step's record (``found``: 0, then the plan ``operands.plan``
+update asks the binding for the step's record (``found``: 0, then the plan ``plans.plan``
 checks tiles with, then the geometry ``GEOMETRY``) by the step's text."""
 
 from __future__ import annotations

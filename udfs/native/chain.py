@@ -2,7 +2,7 @@
 chain's einsums one after another (``protocol.ChainStep``), each step's result in a buffer of
 its own that later steps read, the last one written once as the row's tile.
 
-``plan`` is the leaves' plan (``operands.plan``'s layout, no output of its own: the leaves are
+``plan`` is the leaves' plan (``plans.plan``'s layout, no output of its own: the leaves are
 checked as a step's operands are, ``operands.operands``) followed by the chain's section: the
 number of steps, the section's words, the most operands and dimensions a step has, the
 largest rank of a step's result, then per step the offset of its record: the step's loop body

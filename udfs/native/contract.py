@@ -1,7 +1,7 @@
 """The native per-row kernel (kinds ``contract``, ``tra_contract_2``, and ``loop``,
 ``tra_loop_<n>``): one output tile per joined row, computed from the operand tiles where
 DuckDB holds them, written once. ``KERNEL`` is the DuckDB scalar function callback (function
-info, input chunk, output vector); the call's bind data is its step's plan (``operands.plan``).
+info, input chunk, output vector); the call's bind data is its step's plan (``plans.plan``).
 Every tile is checked first (``operands.operands``); the result is NumPy's ``cblas_?gemm``
 of the first two (a product ``contract.gemm_form`` reads as stored) or the step's generated
 loop body (``loops``), then, with an epilogue, the epilogue's loop body over it and the

@@ -7,7 +7,7 @@ combine adds states element-wise, finalize writes each tile once.
 
 DuckDB's C API gives aggregates no bind callback, so one function per dtype serves every
 step: its update reads the step text of its first argument and asks the binding for that
-step's plan (``operands.plan``, the scalar product's) through a callback (``LOOKUP``: text
+step's plan (``plans.found``, the scalar product's) through a callback (``plans.LOOKUP``: text
 address and length to the address of a ``found`` record), once per chunk and whenever the text
 changes; the binding builds each plan once and keeps it. A text that is not a native BLAS
 product's step, or one of another dtype, is an error, and every tile is checked against the
