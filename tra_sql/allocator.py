@@ -20,13 +20,14 @@ freed memory then stays in the process for reuse (glibc still returns what is fr
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
-import struct
 from functools import cache
 
 import _duckdb  # the extension module holding all of DuckDB
 import numpy as np
 
+from tra_sql import elf
 from tra_sql.errors import TraError
 
 KEEP_BYTES = 1 << 30
@@ -60,42 +61,32 @@ def retain_freed_memory() -> bool:
 
 # ELF: the machine's PLT relocation type (x86-64 R_X86_64_JUMP_SLOT, AArch64 R_AARCH64_JUMP_SLOT)
 _JUMP_SLOT = {62: 7, 183: 1026}
-_SHT_RELA, _SHT_DYNSYM = 4, 11
-_SYMBOL = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("section", "<u2"), ("value", "<u8"),
-                    ("size", "<u8")])  # Elf64_Sym
-_RELOCATION = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])  # Elf64_Rela
 
 
 @cache
 def _plt_slot(path: str, symbol: str) -> int | None:
     """The offset from its load address of the PLT slot (GOT entry) through which the ELF
     shared object ``path`` calls ``symbol``, or None."""
-    with open(path, "rb") as f:
-        head = f.read(64)
-        if head[:5] != b"\x7fELF\x02" or head[5] != 1:  # 64-bit, little-endian
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            machine, headers = elf.sections(data)
+            for sh in headers if machine in _JUMP_SLOT else ():
+                if sh[1] != elf.SHT_RELA:
+                    continue
+                dynsym = elf.linked(headers, sh)
+                if dynsym[1] != elf.SHT_DYNSYM:
+                    continue
+                symbols = elf.table(data, dynsym, elf.SYMBOL)
+                names = elf.contents(data, elf.linked(headers, dynsym))
+                relocations = elf.table(data, sh, elf.RELOCATION)
+                # the symbols named so: their names start where the name and its NUL lie in the table
+                indices = np.flatnonzero(np.isin(symbols["name"], _occurrences(names, symbol.encode() + b"\0")))
+                slots = relocations[((relocations["info"] & 0xFFFFFFFF) == _JUMP_SLOT[machine])
+                                    & np.isin(relocations["info"] >> 32, indices)]
+                if len(slots):
+                    return int(slots["offset"][0])
+        except elf.ElfError:
             return None
-        machine, = struct.unpack_from("<H", head, 18)
-        shoff, = struct.unpack_from("<Q", head, 40)
-        shentsize, shnum = struct.unpack_from("<HH", head, 58)
-        f.seek(shoff)
-        sections = [struct.unpack_from("<IIQQQQIIQQ", f.read(shentsize)) for _ in range(shnum)]
-
-        def read(section) -> bytes:
-            f.seek(section[4])
-            return f.read(section[5])
-
-        for sh in sections:
-            if sh[1] != _SHT_RELA or sections[sh[6]][1] != _SHT_DYNSYM or machine not in _JUMP_SLOT:
-                continue
-            symbols = np.frombuffer(read(sections[sh[6]]), _SYMBOL)
-            names = read(sections[sections[sh[6]][6]])
-            relocations = np.frombuffer(read(sh), _RELOCATION)
-            # the symbols named so: their names start where the name and its NUL lie in the table
-            indices = np.flatnonzero(np.isin(symbols["name"], _occurrences(names, symbol.encode() + b"\0")))
-            slots = relocations[((relocations["info"] & 0xFFFFFFFF) == _JUMP_SLOT[machine])
-                                & np.isin(relocations["info"] >> 32, indices)]
-            if len(slots):
-                return int(slots["offset"][0])
     return None
 
 

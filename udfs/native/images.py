@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import json
 import os
-import struct
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from llvmlite import binding
 
+from tra_sql import elf
 from tra_sql.udfs.codegen import cache_dir, kernel_sources
 
 MAGIC = b"tra_sql kernel image 1\n"
@@ -220,21 +220,15 @@ def _numba_extension(name: str, stem: str):
 def undefined_symbols(code: bytes) -> set[str]:
     """The symbols an ELF64 little-endian relocatable object refers to and does not define."""
     try:
-        if code[:6] != b"\x7fELF\x02\x01":
-            raise ImageError("the image is not a 64-bit little-endian ELF object")
-        shoff, = struct.unpack_from("<Q", code, 0x28)
-        shentsize, shnum = struct.unpack_from("<HH", code, 0x3A)
-        sections = [struct.unpack_from("<IIQQQQIIQQ", code, shoff + i * shentsize) for i in range(shnum)]
+        _, headers = elf.sections(code)
         names = set()
-        for _, kind, _, _, offset, size, link, _, _, entsize in sections:
-            if kind != 2:  # SHT_SYMTAB
+        for sh in headers:
+            if sh[1] != elf.SHT_SYMTAB:
                 continue
-            strings_at, strings_size = sections[link][4], sections[link][5]
-            for at in range(offset, offset + size, entsize or 24):
-                name_at, info, _, index, _, _ = struct.unpack_from("<IBBHQQ", code, at)
-                if index == 0 and name_at and info >> 4 != 0:  # undefined, named, not local
-                    end = code.index(b"\0", strings_at + name_at, strings_at + strings_size)
-                    names.add(code[strings_at + name_at:end].decode())
+            symbols = elf.table(code, sh, elf.SYMBOL)
+            strings = elf.contents(code, elf.linked(headers, sh))
+            undefined = symbols[(symbols["section"] == 0) & (symbols["name"] != 0) & (symbols["info"] >> 4 != 0)]
+            names.update(elf.name(strings, int(at)).decode() for at in undefined["name"])  # named, not local
         return names
-    except (struct.error, IndexError, ValueError, OverflowError, UnicodeDecodeError):
+    except (elf.ElfError, UnicodeDecodeError):
         raise ImageError("the image's ELF symbol table is unreadable") from None
