@@ -164,9 +164,18 @@ class TileEinsum:
         code = self.join_code or " * ".join(f"x{m}" for m in range(len(self.inputs)))
         inputs, output = canonical(self.inputs, self.output)
         parallel = out.ndim > 0 and out.shape[0] > 1 and out.size >= PARALLEL_ELEMENTS
-        kernel = loop_kernel(inputs, output, code, self.agg, parallel, assign=assign)
+        in_place = self._in_place(out, tiles) if assign else None
+        kernel = loop_kernel(inputs, output, code, self.agg, parallel, assign=assign, in_place=in_place)
         with all_cores(parallel):
             kernel(out, *tiles)
+
+    def _in_place(self, out: np.ndarray, tiles: list[np.ndarray]) -> int | None:
+        """The operand that is ``out`` itself (an epilogue overwriting the result it reads:
+        the same memory, shape and strides, subscripted as the output), if any."""
+        at = out.__array_interface__["data"][0]
+        return next((m for m, (tile, sub) in enumerate(zip(tiles, self.inputs))
+                     if sub == self.output and tile.shape == out.shape and tile.strides == out.strides
+                     and tile.__array_interface__["data"][0] == at), None)
 
     def batched(self) -> TileEinsum:
         """The same einsum with a leading batch index on every operand and the output."""

@@ -69,21 +69,25 @@ def body_source(kernel_module: str, inputs: tuple[str, ...], output: str, agg: s
     return "\n".join(lines) + "\n"
 
 
-def body(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: str) -> int:
+def body(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: str,
+         in_place: int | None = None) -> int:
     """The C address of the body computing ``out[output] = agg of join_code(x0[inputs[0]],
-    ...)`` over ``dtype`` tiles (assigning where nothing is aggregated). Thread-safe."""
+    ...)`` over ``dtype`` tiles (assigning where nothing is aggregated); ``in_place``: the
+    operand that is ``out`` itself (an epilogue's result, ``codegen.kernel_source``).
+    Thread-safe."""
     inputs, output = canonical(inputs, output)
     assign = set("".join(inputs)) <= set(output)
     with _compiling:
-        return _compiled(inputs, output, join_code, agg, dtype, assign)
+        return _compiled(inputs, output, join_code, agg, dtype, assign, in_place)
 
 
 @cache
-def _compiled(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: str, assign: bool) -> int:
-    kernel_module = module_name_of(kernel_source(inputs, output, join_code, agg, assign=assign), "tra_kernel")
-    source = body_source(kernel_module, inputs, output, agg, dtype, assign)
+def _compiled(inputs: tuple[str, ...], output: str, join_code: str, agg: str, dtype: str, assign: bool,
+              in_place: int | None) -> int:
+    kernel = kernel_source(inputs, output, join_code, agg, assign=assign, in_place=in_place)
+    source = body_source(module_name_of(kernel, "tra_kernel"), inputs, output, agg, dtype, assign)
 
     def compile():  # the loop kernel's module first: the body's imports it
-        loop_kernel(inputs, output, join_code, agg, assign=assign)
+        loop_kernel(inputs, output, join_code, agg, assign=assign, in_place=in_place)
         return load_module(source, "tra_native").body.compile()
     return images.address(module_name_of(source, "tra_native"), "body", compile)

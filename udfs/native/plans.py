@@ -67,7 +67,8 @@ def plan(step: EinsumStep, product: bool = False) -> tuple[np.ndarray, np.ndarra
         body = native_sparse.body(*csr, len(step.inputs[1 - csr[0]]), step.out_dtype)
     else:
         body = 0 if form else loops.body(step.inputs, step.output, code(step), step.agg, step.out_dtype)
-    epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype) if after else 0
+    epilogue = loops.body(after.inputs, after.output, code(after), after.agg, step.out_dtype,
+                          in_place=after.position) if after else 0
     return tables(step.out_dtype, subs, names, dims, sources(step.inputs, step.output), slots, blas, body, epilogue,
                   len(step.inputs), len(index), -1 if csr is None else csr[0])
 
