@@ -195,7 +195,7 @@ def test_an_epilogue_reads_the_result_it_overwrites_from_out():
     """An element-wise kernel whose operand is ``out`` itself reads it through ``out``, so
     the loop vectorizes (docs/kernels.md); only an assigning kernel, and only an operand
     subscripted as the output, can be read so."""
-    src = kernel_source(("ab", "ab"), "ab", "x1 * CASE", "sum", assign=True, in_place=1)
+    src = kernel_source(("ab", "ab"), "ab", "x0 * x1", "sum", assign=True, in_place=1)
     assert "x1 = out[i_a, i_b]" in src and "X1[" not in src and "x0 = X0[i_a, i_b]" in src
     with pytest.raises(ValueError, match="cannot be read from its output"):
         kernel_source(("ab", "b"), "ab", "x0 * x1", "sum", assign=True, in_place=1)
@@ -205,23 +205,22 @@ def test_an_epilogue_reads_the_result_it_overwrites_from_out():
 
 @pytest.mark.parametrize("shape", [(7, 5), (300, 400)])  # the plain and the threaded kernel
 def test_compute_over_its_own_output_agrees_with_numpy(shape):
-    """``compute`` finds the operand that is ``out`` (same memory, shape and strides) and
-    reads it in place; a transposed view of the same memory is not ``out`` and is read as
-    the operand it is."""
+    """``compute`` finds the operand that is ``out`` (same memory, shape and strides), at
+    either position, and reads it in place; a transposed view of that memory, a copy or a
+    slice is not ``out``."""
     rng = np.random.default_rng(4)
     h = rng.standard_normal(shape)
     h[0, 0] = np.nan
-    mask = TileEinsum(("ij", "ij"), "ij", "x0 * (1 if ((x1 > 0.0 or x1 != x1)) != 0 else 0)")
-    for position in (0, 1):
+    mask = "x0 * (1 if ((x1 > 0.0 or x1 != x1)) != 0 else 0)"  # a ReLU gradient's, as translated
+    for position, code in ((0, mask), (1, mask.replace("x0", "x9").replace("x1", "x0").replace("x9", "x1"))):
         out = rng.standard_normal(shape)
         want = out * ((h > 0) | np.isnan(h))
         tiles = [out, h] if position == 0 else [h, out]
-        code = "x0 * (1 if ((x1 > 0.0 or x1 != x1)) != 0 else 0)"
-        kernel = TileEinsum(("ij", "ij"), "ij", code if position == 0 else code.replace("x0", "x9")
-                            .replace("x1", "x0").replace("x9", "x1"))
+        kernel = TileEinsum(("ij", "ij"), "ij", code)
         assert kernel._in_place(out, tiles) == position
         kernel.compute(out, tiles)
         np.testing.assert_array_equal(out, want)
     square = rng.standard_normal((6, 6))
-    assert mask._in_place(square, [square.T, square.copy()]) is None
-    assert mask._in_place(square, [square.copy(), square[:, :3]]) is None
+    kernel = TileEinsum(("ij", "ij"), "ij", mask)
+    assert kernel._in_place(square, [square.T, square.copy()]) is None
+    assert kernel._in_place(square, [square.copy(), square[:, :3]]) is None
