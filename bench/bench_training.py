@@ -38,6 +38,11 @@ SIZES = {
 }
 
 
+# seconds per epoch (the median); bench/ab.py reads the columns named "tra_sql ... s"
+TABLE_HEAD = ("| workload | dtype | tra_sql s | PyTorch s | ratio | tra_sql peak MB | PyTorch peak MB |",
+              "|---|---|---|---|---|---|---|")
+
+
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -319,6 +324,7 @@ def main() -> None:
     size = "quick" if args.quick else "full"
     rows = []
     print(machine())
+    print("\n".join(TABLE_HEAD))
     for workload, label in describe(size).items():
         if workload not in args.only:
             continue
@@ -354,8 +360,7 @@ def write_results(rows: list[str], ooc: dict | None, size: str, epochs: int, not
                   "forward, backward and Adam step; the first epoch, which compiles, is not timed) and peak resident "
                   "memory of the "
                   f"process, each framework in a subprocess of its own; ratio = tra_sql / PyTorch CPU. {note}"),
-             "", "| workload | dtype | tra_sql s/epoch | PyTorch s/epoch | ratio | tra_sql peak MB | PyTorch peak MB |",
-             "|---|---|---|---|---|---|---|", *rows, ""]
+             "", *TABLE_HEAD, *rows, ""]
     if ooc and "error" not in ooc:
         limit = ooc["memory_limit"]
         lines += [wrap(f"Out of core: an MLP ({f} -> {h} -> 1, {ooc['dtype']}) trained in {batches} minibatches on "
