@@ -67,8 +67,9 @@ class Stages(ABC):
         """An index on ``column`` of ``table`` if the engine has indexes (False: it cannot)."""
         return False
 
-    def keyed(self) -> contextlib.AbstractContextManager:
-        """A context in which scans by key value go through the indexes."""
+    def keyed(self, threaded_kernel: bool = False) -> contextlib.AbstractContextManager:
+        """A context in which scans by key value go through the indexes; ``threaded_kernel``:
+        the op's kernel runs on every core itself (a BLAS product)."""
         return contextlib.nullcontext()
 
 
@@ -99,11 +100,15 @@ class DuckDBStages(Stages):
             return False
         return True
 
-    def keyed(self):
+    def keyed(self, threaded_kernel: bool = False):
         """Without DuckDB's join filter pushdown, which adds a range filter to a probe-side
-        scan at run time and turns it back into a full table scan."""
+        scan at run time and turns it back into a full table scan; on one DuckDB thread when
+        the kernel is threaded: a band's statement joins a few tiles in one pipeline, and a
+        second DuckDB thread only contends with the kernel's (a 4096 x 62500 x 4096 float32
+        matmul in 20 bands: 5.1 s on two DuckDB threads, 4.3 s on one, bench/RESULTS.md)."""
         before = self.engine.setting("disabled_optimizers")
-        return self.engine.settings(disabled_optimizers=",".join(x for x in [before, "join_filter_pushdown"] if x))
+        values = {"disabled_optimizers": ",".join(x for x in [before, "join_filter_pushdown"] if x)}
+        return self.engine.settings(**values, **({"threads": 1} if threaded_kernel else {}))
 
 
 @contextlib.contextmanager
@@ -228,7 +233,7 @@ def materialize(stages: Stages, node: Node, table: str, consts: Constants, budge
     split_agg = [i for i, c in enumerate(idx) if c not in node.spec.output and b[i] > 1]
     for m in range(len(node.operands)):
         _index_keys(stages, node, m, [idx[i] for i in split_agg])
-    with stages.keyed() if split_agg else contextlib.nullcontext():
+    with stages.keyed(extract(node).ops[0].blas) if split_agg else contextlib.nullcontext():
         _run_bands(stages, node, table, b, split_agg)
 
 
