@@ -232,8 +232,8 @@ def section_ooc(args, consts) -> None:
             C.store("C", plan=plan, replace=True)
             return time.perf_counter() - start
 
-        # timed without the memory poller (its 10 ms duckdb_memory() queries slowed the run by
-        # about a fifth), then once more under it for the memory columns
+        # timed without the memory poller (its duckdb_memory() queries every 10 ms run beside
+        # the statements), then once more under it for the memory columns
         times = sorted(run() for _ in range(max(3, args.repeat)))
         elapsed = times[len(times) // 2]
         with Peak(db.engine.con) as peak:

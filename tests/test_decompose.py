@@ -14,6 +14,7 @@ from tra_sql import graph, nn
 from tra_sql.decompose import Constants, graphs, make_plan
 from tra_sql.decompose import calibrate as cal
 from tra_sql.decompose.choose import AUTO_MIN_BYTES, auto
+from tra_sql.engines import staged
 from tra_sql.graph import Source
 
 # per-row and per-statement costs high enough that the memory limit and the overheads
@@ -151,16 +152,23 @@ def test_tight_memory_runs_in_bands_with_partial_sums(db):
     np.testing.assert_allclose(C.store("C", plan=plan).numpy(), A @ B, rtol=1e-10)
 
 
-def test_out_of_core_bands_read_tiles_by_key_and_accumulate(tmp_path):
+def test_out_of_core_bands_read_tiles_by_key_and_accumulate(tmp_path, monkeypatch):
     """Inputs whose scans do not fit run one contracted tile per statement: read through a
-    key index, rekeyed to an unsplit contraction, adding the previous bands' partial sum."""
+    key index, rekeyed to an unsplit contraction, adding the previous bands' partial sum; the
+    statements of a BLAS product's bands run on one DuckDB thread (the kernel's BLAS uses every
+    core), and the settings are restored after."""
     rng = np.random.default_rng(4)
     A, B = rng.standard_normal((64, 1024)), rng.standard_normal((1024, 48))
+    threads = []
+    insert = staged.DuckDBStages.insert
+    monkeypatch.setattr(staged.DuckDBStages, "insert", lambda self, table, query: (
+        threads.append(self.engine.setting("threads")), insert(self, table, query)))
     with tra_sql.connect(str(tmp_path / "ooc.duckdb"), threads=2) as db:
         C = db.einsum("ij,jk->ik", db.from_numpy("A", A, tile=(64, 128)), db.from_numpy("B", B, tile=(128, 48)))
         plan = db.plan(C, workers=2, memory="300KB")
         assert plan.ops[0].parts == {"i": 1, "j": 8, "k": 1} and plan.ops[0].bands == 8
         np.testing.assert_allclose(C.store("C", plan=plan).numpy(), A @ B, rtol=1e-10)
+        assert threads == [1] * 8 and db.engine.setting("threads") == 2
         indexes = {r[0] for r in db.engine.con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
         assert {"_tra_ix_A_k1", "_tra_ix_B_k0"} <= indexes
         assert not db.engine.con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '_tra_stage%'"

@@ -104,8 +104,8 @@ class DuckDBStages(Stages):
         """Without DuckDB's join filter pushdown, which adds a range filter to a probe-side
         scan at run time and turns it back into a full table scan; on one DuckDB thread when
         the kernel is threaded: a band's statement joins a few tiles in one pipeline, and a
-        second DuckDB thread only contends with the kernel's (a 4096 x 62500 x 4096 float32
-        matmul in 20 bands: 5.1 s on two DuckDB threads, 4.3 s on one, bench/RESULTS.md)."""
+        second DuckDB thread only contends with the kernel's (a 2048 x 62500 x 2048 float32
+        matmul in 20 bands: 5.0 s on two DuckDB threads, 4.25 s on one, bench/RESULTS.md)."""
         before = self.engine.setting("disabled_optimizers")
         values = {"disabled_optimizers": ",".join(x for x in [before, "join_filter_pushdown"] if x)}
         return self.engine.settings(**values, **({"threads": 1} if threaded_kernel else {}))
