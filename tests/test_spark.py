@@ -577,7 +577,7 @@ def test_steps_read_once_are_subqueries_of_their_reader(sdb, monkeypatch):
     made = []
     union_steps = spark_sql.SparkDialect.union_steps
     monkeypatch.setattr(spark_sql.SparkDialect, "union_steps",
-                        lambda self, program, results: made.append((program, union_steps(self, program, results)))
+                        lambda self, program, *args: made.append((program, union_steps(self, program, *args)))
                         or made[-1][1])
     loss, params, (x, y, w) = logistic_regression(sdb)
     sdb.train(loss, params, SGD(lr=0.5), 1, run="inline", progress=False)
@@ -592,6 +592,24 @@ def test_steps_read_once_are_subqueries_of_their_reader(sdb, monkeypatch):
     with sdb.engine.frame(loss.program()):
         site = sc.getLocalProperty("callSite.long")
     assert site == f"tra_sql: {loss.node.label}" and sc.getLocalProperty("callSite.long") is None
+
+
+def test_an_optimizer_step_computes_its_results_in_one_projection(sdb, duck, monkeypatch):
+    """Adam's new weights and moments of each parameter are one step on Spark (one projection
+    of three kernels, rows by ``STACK``: ``spark_siblings``), and two steps leave the weights
+    and both moments DuckDB's."""
+    made = []
+    union_steps = spark_sql.SparkDialect.union_steps
+    monkeypatch.setattr(spark_sql.SparkDialect, "union_steps",
+                        lambda self, *args: made.append(union_steps(self, *args)) or made[-1])
+    for db in (sdb, duck):
+        loss, params, _ = logistic_regression(db)
+        db.train(loss, params, Adam(lr=0.1), 2, run="sib", progress=False)
+    (steps,) = made
+    assert steps.text().count("STACK(3, 'lW', k0, k1, tile0, 'sib__m__lW'") == 1
+    assert steps.text().count("STACK(3, 'lb', k0,") == 1
+    for name in ("lW", "lb", "sib__m__lW", "sib__v__lW", "sib__m__lb", "sib__v__lb"):
+        np.testing.assert_allclose(sdb.tensor(name).numpy(), duck.tensor(name).numpy(), rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="spark_jobs.python_workers reads /proc")

@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil, prod
 
 import numpy as np
 from sqlglot import exp
 
+from tra_sql.backends.spark_siblings import merge_siblings
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
+from tra_sql.graph import Node
 from tra_sql.udfs.protocol import FILL, REDUCE_GROUP, EinsumStep, Kernel
 
 #: Groups whose tiles exceed this many bytes go through the grouped aggregate UDF.
@@ -148,14 +151,17 @@ class SparkDialect(Dialect):
         keys = _keys(rank)
         return self._steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")))
 
-    def union_steps(self, program: Program, results: dict) -> Steps:
+    def union_steps(self, program: Program, results: dict, complete: Callable[[Node], bool] | None = None) -> Steps:
         """``Program.union_query(results)`` as steps: the final query returns the rows
-        ``target, k0, ..., tile`` (INT keys) of several results."""
+        ``target, k0, ..., tile`` (INT keys) of several results. With ``complete`` (which nodes
+        have every tile: ``absent.Completeness``), row-wise results that share relations are
+        computed in one step (``spark_siblings``)."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
-        steps = self._steps(program.union_query(results),
-                            lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")),
-                            relation_bytes(program))
+        query, sizes = program.union_query(results), relation_bytes(program)
+        if complete is not None:
+            query = merge_siblings(query, program, results, complete, sizes)
+        steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes)
         steps.nbytes = largest(program)
         return steps
 

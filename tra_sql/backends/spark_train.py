@@ -80,7 +80,8 @@ class SparkTrainer(core.Trainer):
         p = self.plan(batch)
         if batch not in self.queries:
             program = Program.compile(*p.nodes.values())
-            self.queries[batch] = self.db.engine.sql_dialect().union_steps(program, p.nodes)
+            self.queries[batch] = self.db.engine.sql_dialect().union_steps(program, p.nodes,
+                                                                           self.db.engine.completeness())
         self.set_scalars(step)
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,60 @@
+"""Sibling results of a training step in one Spark step (``backends.spark_siblings``): the SQL
+that Spark would run, built without Spark. Spark's answers are compared with DuckDB's in
+``test_spark.py::test_an_optimizer_step_computes_its_results_in_one_projection``."""
+
+import re
+
+import numpy as np
+
+import tra_sql
+from tra_sql import train as core
+from tra_sql.backends.spark_sql import SparkDialect
+from tra_sql.compile.program import Program
+from tra_sql.optim import Adam
+
+
+def adam_step(db):
+    """A softmax regression's Adam step: its compiled program and its results (the loss, each
+    parameter, each parameter's two moments)."""
+    rng = np.random.default_rng(3)
+    x = db.from_numpy("X", rng.standard_normal((40, 8)), tile=(16, 8))
+    y = db.from_numpy("Y", np.eye(3)[rng.integers(0, 3, 40)], tile=(16, 3))
+    w = db.from_numpy("W", rng.standard_normal((8, 3)), tile=(4, 3))
+    b = db.from_numpy("b", np.zeros(3))
+    loss = core.cross_entropy(db, db.einsum("nc,c->nc", db.einsum("nf,fc->nc", x, w), b, join="x0 + x1"), y, 40)
+    step = core.Trainer(db, loss, [w, b], Adam(lr=0.1), "r", 1).plan(0)
+    return Program.compile(*step.nodes.values()), step.nodes
+
+
+def stacked(text: str) -> list[list[str]]:
+    """The targets of each ``STACK`` in ``text``, in order."""
+    return [re.findall(r"'([\w]+)'", call) for call in re.findall(r"STACK\((.*?)\) AS \(target", text, re.S)]
+
+
+def test_an_optimizers_results_are_one_step_with_their_shared_relations_read_once():
+    """Adam's new weights and moments of a parameter join the same tiles: with every relation
+    complete they are one step (three kernels in one projection, rows by ``STACK``), and the
+    gradient they share is read there once, a subquery instead of a view and a checkpoint."""
+    with tra_sql.connect() as db:
+        program, results = adam_step(db)
+        dialect = SparkDialect(replicate=1 << 20)
+        apart = dialect.union_steps(program, results)
+        merged = dialect.union_steps(program, results, db.engine.completeness())
+    assert stacked(apart.text()) == []
+    assert stacked(merged.text()) == [["W", "r__m__W", "r__v__W"], ["b", "r__m__b", "r__v__b"]]
+    assert len(merged.views) == len(apart.views) - 2  # each gradient was a view read three times
+    assert merged.kernels == apart.kernels
+    calls = r"TRA_\w+\("
+    assert len(re.findall(calls, merged.text())) == len(re.findall(calls, apart.text()))
+
+
+def test_results_joining_a_relation_that_may_lack_tiles_stay_apart():
+    """A relation without a tile at some key would drop rows of the results merged with it:
+    the results of a parameter whose first moment lost a tile keep their three steps; the
+    other parameter's are merged. (A parameter lacking a tile would keep both apart: every
+    gradient is computed from it.)"""
+    with tra_sql.connect() as db:
+        program, results = adam_step(db)
+        db.engine.con.execute('DELETE FROM "r__m__W" WHERE k0 = 1')
+        merged = SparkDialect(replicate=1 << 20).union_steps(program, results, db.engine.completeness())
+    assert stacked(merged.text()) == [["b", "r__m__b", "r__v__b"]]
