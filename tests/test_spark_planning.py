@@ -3,6 +3,7 @@ a planned gradient and the automatic plan of ``numpy()`` give numpy's answers, i
 Spark jobs per stage, and leave no stage table behind. Skipped without pyspark or Java."""
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -131,6 +132,30 @@ def test_features_bigger_than_a_task_under_the_planners_tiling(sdb):
     np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-10)
     for ours, theirs in zip(runs[0][1], runs[1][1]):
         np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-13)
+
+
+def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkeypatch):
+    """A gradient contracted with the features (``nh,nf->fh``: the gradient in ``FROM``, the
+    features past a task's tile budget) does not shuffle the features: the gradient, within
+    the budget, is read whole by each task of the join (``SHUFFLE_REPLICATE_NL`` on the
+    ``FROM`` side, one partition, kept as a view). numpy's answer."""
+    from tra_sql.backends.spark_sql import SparkDialect
+
+    rng = np.random.default_rng(6)
+    x, w, b = rng.standard_normal((400, 12)), rng.standard_normal((12, 6)), rng.standard_normal(6)
+    xt = sdb.from_numpy("fX", x, tile=(100, 12), replace=True)
+    h = sdb.einsum("nh,h->nh", sdb.einsum("nf,fh->nh", xt, sdb.from_numpy("fW", w, replace=True)),
+                   sdb.from_numpy("fb", b, replace=True), join="greatest(x0 + x1, 0)")
+    g = sdb.einsum("nh,nf->fh", h, xt)
+    dialect = SparkDialect(sdb.engine.group_bytes, 25_000)  # h's 19,200 bytes fit, x's 38,400 do not
+    monkeypatch.setattr(sdb.engine, "sql_dialect", lambda: dialect)
+    text = dialect.steps(g.program()).text()
+    assert re.search(r"SHUFFLE_REPLICATE_NL\(x0\).*FROM \(SELECT /\*\+ COALESCE\(1\) \*/ \* FROM `_tra_\w+`\) AS x0 "
+                     r"JOIN `fX` AS x1", text)
+    with sdb.engine.frame(g.program()) as frame:
+        plan = frame._jdf.queryExecution().executedPlan().toString()
+    assert "SortMergeJoin" not in plan
+    np.testing.assert_allclose(g.numpy(), x.T @ np.maximum(x @ w + b, 0), rtol=1e-12)
 
 
 def test_small_relations_are_not_shuffled(sdb, monkeypatch):

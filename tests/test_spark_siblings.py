@@ -58,3 +58,13 @@ def test_results_joining_a_relation_that_may_lack_tiles_stay_apart():
         db.engine.con.execute('DELETE FROM "r__m__W" WHERE k0 = 1')
         merged = SparkDialect(replicate=1 << 20).union_steps(program, results, db.engine.completeness())
     assert stacked(merged.text()) == [["b", "r__m__b", "r__v__b"]]
+
+
+def test_results_merge_while_a_row_fits_a_tasks_tile_budget():
+    """A merged step's row holds every tile its members join and make: W's (four 4x3 float64
+    tiles joined, two scalars, three made: 688 bytes) is over a 500-byte budget and stays
+    apart, b's (184 bytes) is merged."""
+    with tra_sql.connect() as db:
+        program, results = adam_step(db)
+        merged = SparkDialect(replicate=500).union_steps(program, results, db.engine.completeness())
+    assert stacked(merged.text()) == [["b", "r__m__b", "r__v__b"]]

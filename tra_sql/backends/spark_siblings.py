@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 
 from sqlglot import exp
 
@@ -50,9 +51,10 @@ class RowWise:
 
 
 def merge_siblings(query: exp.Select, program: Program, results: dict[str, Node],
-                   complete: Callable[[Node], bool], sizes: dict[str, int]) -> exp.Expression:
+                   complete: Callable[[Node], bool], sizes: dict[str, int], row_bytes: float) -> exp.Expression:
     """``query`` (``program.union_query(results)``) with every group of row-wise result steps
-    that share a relation computed as one step (see the module docstring); ``sizes`` (bytes by
+    that share a relation computed as one step (see the module docstring), if a row of it (the
+    tiles it joins and the tiles it makes) holds at most ``row_bytes``; ``sizes`` (bytes by
     relation name) gets the merged steps' sizes."""
     members = _members(query)
     ctes = {cte.alias: cte for cte in query.args[WITH].expressions} if query.args.get(WITH) else {}
@@ -67,7 +69,7 @@ def merge_siblings(query: exp.Select, program: Program, results: dict[str, Node]
             step = _row_wise(name, target, by_name[name], ctes[name].this, nodes)
             if step is not None and all(complete(nodes[rel[0]]) for rel in step.relations.values()):
                 steps.append(step)
-    groups = _groups(steps)
+    groups = _groups(steps, nodes, row_bytes)
     if not groups:
         return query
     rank = max((len(node.shape) for node in results.values()), default=0)
@@ -215,15 +217,24 @@ def _conjuncts(condition: exp.Expression | None) -> list[exp.Expression]:
     return [condition.unnest()]
 
 
-def _groups(steps: list[RowWise]) -> list[list[RowWise]]:
-    """Steps of the same grid that share a relation, in groups of two or more (in order)."""
+def _groups(steps: list[RowWise], nodes: dict[str, Node], row_bytes: float) -> list[list[RowWise]]:
+    """Steps of the same grid that share a relation, in groups of two or more (in order) whose
+    rows hold at most ``row_bytes`` of tiles."""
+    def tile_bytes(node: Node) -> int:
+        return prod(node.tile) * node.dtype.itemsize
+
+    def row(group: list[RowWise]) -> int:
+        relations = {rel for step in group for rel in step.relations.values()}
+        return sum(tile_bytes(nodes[name]) for name, _ in relations) + sum(tile_bytes(s.node) for s in group)
+
     groups: list[list[RowWise]] = []
     for step in steps:
         mine = set(step.relations.values())
         for group in groups:
             theirs = {rel for other in group for rel in other.relations.values()}
             first = group[0].node
-            if (step.node.shape, step.node.tile) == (first.shape, first.tile) and mine & theirs:
+            if (step.node.shape, step.node.tile) == (first.shape, first.tile) and mine & theirs \
+                    and row([*group, step]) <= row_bytes:
                 group.append(step)
                 break
         else:

@@ -36,7 +36,7 @@ from math import ceil, prod
 import numpy as np
 from sqlglot import exp
 
-from tra_sql.backends.spark_siblings import merge_siblings
+from tra_sql.backends.spark_siblings import FROM, merge_siblings
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
 from tra_sql.graph import Node
@@ -155,12 +155,13 @@ class SparkDialect(Dialect):
         """``Program.union_query(results)`` as steps: the final query returns the rows
         ``target, k0, ..., tile`` (INT keys) of several results. With ``complete`` (which nodes
         have every tile: ``absent.Completeness``), row-wise results that share relations are
-        computed in one step (``spark_siblings``)."""
+        computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
+        tiles (a task's tile budget)."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
         if complete is not None:
-            query = merge_siblings(query, program, results, complete, sizes)
+            query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes)
         steps.nbytes = largest(program)
         return steps
@@ -202,15 +203,24 @@ class SparkDialect(Dialect):
              replicated: set[str]) -> exp.Expression:
         """``query`` (the step ``name``, if one) with Spark hints for its small relations: each
         inner join's right side of at most ``replicate`` bytes ``SHUFFLE_REPLICATE_NL`` (read
-        whole by each task, no exchange; its name added to ``replicated``), and ``COALESCE(1)``
-        if the step's result is that small."""
+        whole by each task, no exchange; its name added to ``replicated``), the relation in
+        ``FROM`` too if it is that small and the first join's right side is not (a gradient
+        joined with the features it is contracted with: the features are not shuffled), and
+        ``COALESCE(1)`` if the step's result is that small."""
         def small(ref: str) -> bool:
             return ref in sizes and sizes[ref] <= self.replicate
 
+        def inner(join: exp.Join) -> bool:
+            return not join.side and join.kind in ("", "INNER", "CROSS")
+
         for select in list(query.find_all(exp.Select)):
-            small_sides = [join.this for join in select.args.get("joins") or []
-                           if isinstance(join.this, exp.Table) and not join.side
-                           and join.kind in ("", "INNER", "CROSS") and small(join.this.name)]
+            joins = select.args.get("joins") or []
+            small_sides = [join.this for join in joins
+                           if isinstance(join.this, exp.Table) and inner(join) and small(join.this.name)]
+            source = select.args.get(FROM)
+            if joins and inner(joins[0]) and joins[0].this not in small_sides and source is not None \
+                    and isinstance(source.this, exp.Table) and small(source.this.name):
+                small_sides.insert(0, source.this)
             replicated.update(table.name for table in small_sides)
             _add_hint(select, [exp.Anonymous(this="SHUFFLE_REPLICATE_NL",
                                              expressions=[exp.to_identifier(table.alias_or_name)])
