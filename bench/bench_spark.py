@@ -21,7 +21,7 @@ one: the second epoch (the first compiles), and the median of the later half, on
 just-in-time compilers have warmed up (a step runs Spark's interpreted expressions over a few
 rows of tiles, so they warm over several steps: 7.8, 6.4, 5.0, 4.4, 4.1 s in epochs 2-6 of a run
 on 2026-12-05). MLlib has no autodiff, so it runs only the epoch's matrix products (see
-``mllib_gcn``), median of ``--repeat`` runs after a warm-up. The peer a Spark
+``mllib_gcn``), as many times, timed alike (its second run, the median of its later half). The peer a Spark
 user would write: the same GCN by hand on Spark DataFrames (``bench_spark_df``: long-format
 joins and sums, the backward pass by hand, Adam on the driver), checked against tra_sql's
 losses and weights. Spark jobs are counted per epoch (one training step) for both.
@@ -210,11 +210,11 @@ def gcn_tables(duck, data) -> None:
     duck.engine.con.execute("CREATE OR REPLACE TABLE labels AS SELECT * FROM _labels WHERE node % 10 = 0").fetchall()
 
 
-def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, repeat: int) -> float:
+def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, runs: int) -> list[float]:
     """The matrix products of one GCN epoch in MLlib (forward A·(X·W1), A·(H·W2); backward
     Aᵀ·G, Hᵀ·(AᵀG), (AᵀG)·W2ᵀ, Aᵀ·G', Xᵀ·(AᵀG')), with the same block size and A in
     sparse blocks; the element-wise steps between them are left out (a lower bound on an
-    MLlib epoch). Checks A·(X·W1) against numpy."""
+    MLlib epoch), ``runs`` times: the seconds of each. Checks A·(X·W1) against numpy."""
     from pyspark.mllib.linalg import Matrices
     from pyspark.mllib.linalg.distributed import BlockMatrix, CoordinateMatrix, MatrixEntry
 
@@ -251,7 +251,12 @@ def mllib_gcn(sc, data, n: int, f: int, h: int, c: int, b: int, repeat: int) -> 
         g1 = kept(at.multiply(kept(g2.multiply(w2t))))
         kept(xt.multiply(g1))
 
-    return median_time(epoch, repeat)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        epoch()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
@@ -261,11 +266,11 @@ def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = False,
+def bench_gcn(cluster, n, e, f, h, c, block, memory, adaptive: bool = False,
               dataframes: bool = True, epochs: int = 8) -> dict:
     """One GCN training run of ``epochs`` epochs on DuckDB and on Spark (same losses and
-    weights), the GCN by hand on DataFrames (two epochs) and MLlib's products (median of
-    ``repeat`` after a warm-up): seconds by run, Spark jobs and Python workers of a step."""
+    weights), the GCN by hand on DataFrames (two epochs) and MLlib's products (``epochs``
+    times): seconds by run, Spark jobs and Python workers of a step."""
     data = gcn_data(n, e, f, c)
     with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
         gcn_tables(duck, data)
@@ -288,7 +293,7 @@ def bench_gcn(cluster, n, e, f, h, c, block, repeat, memory, adaptive: bool = Fa
                 np.testing.assert_allclose(df_losses, ours["losses"][:2], rtol=1e-6)
                 check(df_w1, gcn_epoch(duck, n, f, h, c, block, data[3], 2, run="gcn2")["W1"],
                       "the GCN on Spark DataFrames")
-            t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, repeat)
+            t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, epochs)
         finally:
             db.close()
     return {"duckdb": ours, "spark": spark, "mllib": t_mllib, "df": t_df, "df_jobs": df_jobs}
@@ -326,9 +331,9 @@ def main() -> None:
         print(f"\nGCN epoch: {n} nodes, {e} random edges + self loops, {f} features, hidden {h}, {c} classes, "
               f"float64, adjacency in CSR {args.block}² tiles (MLlib: sparse blocks); tra_sql: {args.epochs} epochs "
               f"(forward, backward, Adam step, commit), the second one's time and the median of {later} (the JVMs' "
-              f"compilers warm); MLlib: median of {args.repeat} after a warm-up", flush=True)
+              f"compilers warm); MLlib's products run as often, timed alike", flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
-            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.repeat, args.executor_memory, args.adaptive,
+            t = bench_gcn(cluster, n, e, f, h, c, args.block, args.executor_memory, args.adaptive,
                           not args.no_dataframes, args.epochs)
         duck, spark, mllib = t["duckdb"], t["spark"], t["mllib"]
         by_hand = "" if t["df"] is None else \
@@ -337,12 +342,13 @@ def main() -> None:
               f"| tra_sql on DuckDB (2 threads) | {duck['seconds']:.2f} | {steady(duck['epochs']):.2f} | |\n"
               f"| tra_sql on Spark (one step an epoch) | {spark['seconds']:.2f} | {steady(spark['epochs']):.2f} | "
               f"{spark['jobs']} |\n{by_hand}"
-              f"| MLlib BlockMatrix, the epoch's 9 products only (float64) | {mllib:.2f} | {mllib:.2f} | |")
+              f"| MLlib BlockMatrix, the epoch's 9 products only (float64) | {mllib[1]:.2f} | {steady(mllib):.2f} | |")
         print("tra_sql on Spark, every epoch: " + ", ".join(f"{s:.2f}" for s in spark["epochs"]) + " s")
+        print("MLlib's products, every run: " + ", ".join(f"{s:.2f}" for s in mllib) + " s")
         print("tra_sql on Spark, the second epoch: {} Python workers started, {} exited".format(*spark["workers"]))
         versus = "" if t["df"] is None else f"tra_sql Spark / DataFrames by hand = {spark['seconds'] / t['df']:.2f}; "
-        print(f"\nratios: tra_sql Spark / MLlib = {spark['seconds'] / mllib:.2f} (second epoch), "
-              f"{steady(spark['epochs']) / mllib:.2f} ({later}); {versus}"
+        print(f"\nratios: tra_sql Spark / MLlib = {spark['seconds'] / mllib[1]:.2f} (second epoch / second run), "
+              f"{steady(spark['epochs']) / steady(mllib):.2f} ({later}, both); {versus}"
               f"tra_sql Spark / tra_sql DuckDB = {steady(spark['epochs']) / steady(duck['epochs']):.2f} ({later})")
 
 

@@ -46,7 +46,6 @@ class RowWise:
     target: str  # its result's name in the union
     node: Node
     relations: dict[str, Relation]
-    keys: list[str]  # the alias whose key gives output key d, for each d
     call: exp.Expression
 
 
@@ -170,12 +169,10 @@ def _row_wise(name: str, target: str, node: Node, select: exp.Expression, nodes:
     def union(a, b):
         parent[find(a)] = find(b)
 
-    keys = []
     for d, column in enumerate(key_columns):
         if not (isinstance(column, exp.Alias) and column.alias == f"k{d}" and _key(column.this, aliases)):
             return None
         union(_key(column.this, aliases), ("", f"k{d}"))
-        keys.append(column.this.table)
     for join in joins:
         for condition in _conjuncts(join.args.get("on")):
             if isinstance(condition, exp.Boolean) and condition.this:
@@ -198,7 +195,7 @@ def _row_wise(name: str, target: str, node: Node, select: exp.Expression, nodes:
                              for a, d in enumerate(dims)):
             return None
         relations[alias] = (table, dims)
-    return RowWise(name, target, node, relations, keys, tile.this)
+    return RowWise(name, target, node, relations, tile.this)
 
 
 def _key(column: exp.Expression, aliases: dict[str, str]) -> tuple[str, str] | None:
@@ -246,14 +243,14 @@ def _merged_name(group: list[RowWise]) -> str:
     return "_".join(step.name for step in group)
 
 
-def _merged_select(group: list[RowWise], steps) -> exp.Select:
+def _merged_select(group: list[RowWise], ctes: dict[str, exp.CTE]) -> exp.Select:
     """One SELECT joining every relation of ``group`` once (aliases ``x0..``, each relation's
     keys equal to the first relation's that give the same output key) and calling each member's
-    kernel (with its aliases renamed) as ``tile0``, ``tile1``, .. Relations that are ``steps``
-    come first: the first is read in FROM (a subquery if nothing else reads it), where a join's
-    side would be read whole by each task (``SparkDialect.hint``) and so kept as a view."""
+    kernel (with its aliases renamed) as ``tile0``, ``tile1``, .. Relations that are steps
+    (``ctes``) come first: the first is read in FROM (a subquery if nothing else reads it), where
+    a join's side would be read whole by each task (``SparkDialect.hint``) and so kept as a view."""
     relations = list(dict.fromkeys(rel for step in group for rel in step.relations.values()))
-    relations.sort(key=lambda rel: rel[0] not in steps)
+    relations.sort(key=lambda rel: rel[0] not in ctes)
     alias_of: dict[Relation, str] = {}
     provider: dict[int, exp.Column] = {}  # output key -> the first relation key that gives it
     select = None
