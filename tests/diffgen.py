@@ -30,6 +30,7 @@ TORCH_AGGS = {"max": "amax", "min": "amin"}
 #: Paths compared and programs tried in this process (see conftest's summary).
 COUNTS: Counter = Counter()
 HEADER = """import numpy as np
+import pyarrow as pa, pyarrow.compute
 import tra_sql
 import tra_sql.graph, tra_sql.tensor
 from tra_sql import nn
@@ -50,10 +51,23 @@ def stepped(t, fused):  # tensor t's tiles computed as a training step computes 
         return db.engine.arrow(f'SELECT * FROM "{step.tables["out"]}"')
     return rows.drop_columns(["target"])
 
-def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark computes its roots (one job)
-    query = db.engine.sql_dialect().union_steps(compiled.Program.compile(t.node), {"out": t.node})
+def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark computes its roots (one job),
+    # with two row-wise results read from t beside it (one step where t is complete: spark_siblings), each 2t
+    results = {"out": t.node}
+    if t.node.layout == "dense" and t.node.shape and t.node.dtype.kind == "f":
+        s = "abcdefgh"[:len(t.node.shape)]
+        results |= {"twice": db.einsum(f"{s}->{s}", t, join="x0 * 2").node,
+                    "sum": db.einsum(f"{s},{s}->{s}", t, t, join="x0 + x1").node}
+    query = db.engine.sql_dialect().union_steps(compiled.Program.compile(*results.values()), results,
+                                                db.engine.completeness())
     with db.engine.steps(query, "a differential step") as frame:
-        return frame.toArrow().drop_columns(["target"])
+        rows = frame.toArrow()
+    def of(target):
+        return rows.filter(pa.compute.equal(rows["target"], target)).drop_columns(["target"])
+    out = of("out")
+    for target in results.keys() - {"out"}:
+        np.testing.assert_array_equal(dense(results[target], of(target)), 2 * dense(t, out), err_msg=target)
+    return out
 
 def via_sql(t):  # tensor t through the SQL front end: its einsums nested einsum(...) calls, the rest stored first
     def public(node):  # an einsum that einsum(...) builds as it is (autodiff's may select tiles by keys, cast)
