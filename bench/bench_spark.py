@@ -21,10 +21,10 @@ one: the second epoch (the first compiles), and the median of the later half, on
 just-in-time compilers have warmed up (a step runs Spark's interpreted expressions over a few
 rows of tiles, so they warm over several steps: 7.8, 6.4, 5.0, 4.4, 4.1 s in epochs 2-6 of a run
 on 2026-12-05). MLlib has no autodiff, so it runs only the epoch's matrix products (see
-``mllib_gcn``), as many times, timed alike (its second run, the median of its later half). The peer a Spark
-user would write: the same GCN by hand on Spark DataFrames (``bench_spark_df``: long-format
-joins and sums, the backward pass by hand, Adam on the driver), checked against tra_sql's
-losses and weights. Spark jobs are counted per epoch (one training step) for both.
+``mllib_gcn``), as many times, timed alike (its second run, the median of its later half). The
+peer a Spark user would write: the same GCN by hand on Spark DataFrames (``bench_spark_df``:
+long-format joins and sums, the backward pass by hand, Adam on the driver), checked against
+tra_sql's losses and weights. Spark jobs are counted per epoch (one training step) for both.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def bench_gcn(cluster, n, e, f, h, c, block, memory, adaptive: bool = False,
                 np.testing.assert_allclose(df_losses, ours["losses"][:2], rtol=1e-6)
                 check(df_w1, gcn_epoch(duck, n, f, h, c, block, data[3], 2, run="gcn2")["W1"],
                       "the GCN on Spark DataFrames")
-            t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, epochs)
+            t_mllib = mllib_gcn(db.engine.spark.sparkContext, data, n, f, h, c, block, max(2, epochs))
         finally:
             db.close()
     return {"duckdb": ours, "spark": spark, "mllib": t_mllib, "df": t_df, "df_jobs": df_jobs}

@@ -134,6 +134,18 @@ def test_features_bigger_than_a_task_under_the_planners_tiling(sdb):
         np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-13)
 
 
+def features_gradient(db, prefix: str, rows: int):
+    """``g = Xᵀ·h``, ``h = relu(X·W + b)`` over ``rows`` x 12 features in four row tiles (stored
+    under ``prefix``): the lazy ``g`` and ``h``, and numpy's."""
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((rows, 12)), rng.standard_normal((12, 6)), rng.standard_normal(6)
+    xt = db.from_numpy(f"{prefix}X", x, tile=(rows // 4, 12), replace=True)
+    h = db.einsum("nh,h->nh", db.einsum("nf,fh->nh", xt, db.from_numpy(f"{prefix}W", w, replace=True)),
+                  db.from_numpy(f"{prefix}b", b, replace=True), join="greatest(x0 + x1, 0)")
+    hidden = np.maximum(x @ w + b, 0)
+    return db.einsum("nh,nf->fh", h, xt), h, x.T @ hidden, hidden
+
+
 def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkeypatch):
     """A gradient contracted with the features (``nh,nf->fh``: the gradient in ``FROM``, the
     features past a task's tile budget) does not shuffle the features: the gradient, within
@@ -141,12 +153,7 @@ def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkey
     ``FROM`` side, one partition, kept as a view). numpy's answer."""
     from tra_sql.backends.spark_sql import SparkDialect
 
-    rng = np.random.default_rng(6)
-    x, w, b = rng.standard_normal((400, 12)), rng.standard_normal((12, 6)), rng.standard_normal(6)
-    xt = sdb.from_numpy("fX", x, tile=(100, 12), replace=True)
-    h = sdb.einsum("nh,h->nh", sdb.einsum("nf,fh->nh", xt, sdb.from_numpy("fW", w, replace=True)),
-                   sdb.from_numpy("fb", b, replace=True), join="greatest(x0 + x1, 0)")
-    g = sdb.einsum("nh,nf->fh", h, xt)
+    g, _, want, _ = features_gradient(sdb, "f", 400)
     dialect = SparkDialect(sdb.engine.group_bytes, 25_000)  # h's 19,200 bytes fit, x's 38,400 do not
     monkeypatch.setattr(sdb.engine, "sql_dialect", lambda: dialect)
     text = dialect.steps(g.program()).text()
@@ -155,7 +162,7 @@ def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkey
     with sdb.engine.frame(g.program()) as frame:
         plan = frame._jdf.queryExecution().executedPlan().toString()
     assert "SortMergeJoin" not in plan
-    np.testing.assert_allclose(g.numpy(), x.T @ np.maximum(x @ w + b, 0), rtol=1e-12)
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
 
 
 def test_small_relations_are_not_shuffled(sdb, monkeypatch):
@@ -167,14 +174,7 @@ def test_small_relations_are_not_shuffled(sdb, monkeypatch):
     from tra_sql.backends.spark import BATCH_BYTES
     from tra_sql.backends.spark_sql import SparkDialect
 
-    rng = np.random.default_rng(5)
-    x, w, b = rng.standard_normal((40, 12)), rng.standard_normal((12, 6)), rng.standard_normal(6)
-    xt = sdb.from_numpy("rX", x, tile=(10, 12), replace=True)
-    h = sdb.einsum("nh,h->nh", sdb.einsum("nf,fh->nh", xt, sdb.from_numpy("rW", w, replace=True)),
-                   sdb.from_numpy("rb", b, replace=True), join="greatest(x0 + x1, 0)")
-    g = sdb.einsum("nh,nf->fh", h, xt)
-    hidden = np.maximum(x @ w + b, 0)
-    want = x.T @ hidden
+    g, h, want, hidden = features_gradient(sdb, "r", 40)
     hinted = sdb.engine.sql_dialect().steps(g.program())
     assert hinted.text().count("SHUFFLE_REPLICATE_NL(") == 3 and "COALESCE(1)" in hinted.text()
     assert not hinted.big

@@ -18,11 +18,12 @@ sorting by the group keys (see ``spark_udfs``). Small tiles keep the list, which
 many groups into one kernel call.
 
 Small relations (at most the dialect's ``replicate`` bytes: a few tiles, such as a layer's
-weights, a bias, an optimizer's moments) are not shuffled: a join's right side that small is
-read whole by every task of the join (the hint ``SHUFFLE_REPLICATE_NL``: a cartesian product
-filtered by the join keys, no exchange on either side), and a step whose result is that small
-is computed into one partition (``COALESCE(1)``: its consumers' tasks, each a Python UDF's
-start, are not multiplied by the shuffle's partitions).
+weights, a bias, an optimizer's moments) are not shuffled: a join's right side that small (or
+its ``FROM`` side, if the right side is not) is read whole by every task of the join (the hint
+``SHUFFLE_REPLICATE_NL``: a cartesian product filtered by the join keys, no exchange on either
+side), and a step whose result is that small is computed into one partition (``COALESCE(1)``:
+its consumers' tasks, each a Python UDF's start, are not multiplied by the shuffle's
+partitions).
 """
 
 from __future__ import annotations
