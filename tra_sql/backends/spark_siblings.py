@@ -144,7 +144,8 @@ def _row_wise(name: str, target: str, node: Node, select: exp.Expression, nodes:
     KERNEL(..) AS tile FROM t AS x0 JOIN u AS x1 ON <key equalities or TRUE> ..`` (inner joins
     of stored relations or steps, no filter or grouping), each relation's keys all equal to
     output keys, its grid the output's along them."""
-    if not isinstance(select, exp.Select) or {k for k, v in select.args.items() if v} - ROW_WISE_ARGS:
+    if not isinstance(select, exp.Select) or {k for k, v in select.args.items() if v} - ROW_WISE_ARGS \
+            or select.args.get(FROM) is None or not select.expressions:
         return None
     tables = [select.args[FROM].this, *(join.this for join in select.args.get("joins") or [])]
     joins = select.args.get("joins") or []
