@@ -28,10 +28,8 @@ from sqlglot import exp
 from tra_sql.compile.program import Program
 from tra_sql.graph import Node
 
-FROM = "from_" if "from_" in exp.Select.arg_types else "from"  # sqlglot renamed the arguments
-WITH = "with_" if "with_" in exp.Select.arg_types else "with"
 #: the only arguments a row-wise step's SELECT may have
-ROW_WISE_ARGS = {"expressions", FROM, "joins"}
+ROW_WISE_ARGS = {"expressions", "from_", "joins"}
 
 #: a relation as a row-wise step reads it: its name, and the output key each of its keys equals
 Relation = tuple[str, tuple[int, ...]]
@@ -56,7 +54,7 @@ def merge_siblings(query: exp.Select, program: Program, results: dict[str, Node]
     tiles it joins and the tiles it makes) holds at most ``row_bytes``; ``sizes`` (bytes by
     relation name) gets the merged steps' sizes."""
     members = _members(query)
-    ctes = {cte.alias: cte for cte in query.args[WITH].expressions} if query.args.get(WITH) else {}
+    ctes = {cte.alias: cte for cte in query.args["with_"].expressions} if query.args.get("with_") else {}
     if len(members) < 2 or not ctes:
         return query
     reads = _reads(ctes, members)
@@ -110,7 +108,7 @@ def _members(query: exp.Expression) -> list[tuple[str, str]]:
     """(target, relation) of each member ``SELECT 'target' AS target, k.., tile FROM relation``."""
     members = []
     for select in _member_selects(query):
-        source = select.args.get(FROM)
+        source = select.args.get("from_")
         first = select.expressions[0] if select.expressions else None
         if not (isinstance(first, exp.Alias) and isinstance(first.this, exp.Literal) and source is not None
                 and isinstance(source.this, exp.Table)):
@@ -145,9 +143,9 @@ def _row_wise(name: str, target: str, node: Node, select: exp.Expression, nodes:
     of stored relations or steps, no filter or grouping), each relation's keys all equal to
     output keys, its grid the output's along them."""
     if not isinstance(select, exp.Select) or {k for k, v in select.args.items() if v} - ROW_WISE_ARGS \
-            or select.args.get(FROM) is None or not select.expressions:
+            or select.args.get("from_") is None or not select.expressions:
         return None
-    tables = [select.args[FROM].this, *(join.this for join in select.args.get("joins") or [])]
+    tables = [select.args["from_"].this, *(join.this for join in select.args.get("joins") or [])]
     joins = select.args.get("joins") or []
     if not all(isinstance(t, exp.Table) and t.alias and not t.db and t.name in nodes for t in tables) or \
             any(join.side or join.kind not in ("", "INNER") or join.args.get("using") for join in joins):

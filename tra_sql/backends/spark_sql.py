@@ -37,7 +37,7 @@ from math import ceil, prod
 import numpy as np
 from sqlglot import exp
 
-from tra_sql.backends.spark_siblings import FROM, merge_siblings
+from tra_sql.backends.spark_siblings import merge_siblings
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
 from tra_sql.graph import Node
@@ -218,7 +218,7 @@ class SparkDialect(Dialect):
             joins = select.args.get("joins") or []
             small_sides = [join.this for join in joins
                            if isinstance(join.this, exp.Table) and inner(join) and small(join.this.name)]
-            source = select.args.get(FROM)
+            source = select.args.get("from_")
             if joins and inner(joins[0]) and joins[0].this not in small_sides and source is not None \
                     and isinstance(source.this, exp.Table) and small(source.this.name):
                 small_sides.insert(0, source.this)
