@@ -108,9 +108,9 @@ def test_bad_aggregate(db):
         db.einsum("i->", A, agg="avg")
 
 
-def test_tanh_is_duckdbs_within_3_ulp(db):
+def test_tanh_is_duckdbs_within_4_ulp(db):
     """``tanh`` (``functions.TANH``: exp and, below 0.3, a Taylor polynomial, in float64) gives
-    what DuckDB's own ``tanh`` of a DOUBLE gives within 3 ulp, with the same signed zeros,
+    what DuckDB's own ``tanh`` of a DOUBLE gives within 4 ulp, with the same signed zeros,
     limits and NaN, on float64 and float32 tiles (a float32 tile's result rounded once)."""
     rng = np.random.default_rng(0)
     scales = [1e-300, 1e-20, 1e-9, 1e-4, 0.05, 0.2, 0.29, 0.31, 0.5, 1, 3, 10, 19, 25, 400, 1e300]
@@ -123,6 +123,6 @@ def test_tanh_is_duckdbs_within_3_ulp(db):
         want = np.array([np.nan if r[0] is None else r[0] for r in rows]).astype(dtype)
         got = db.einsum("i->i", db.from_numpy(f"v_{dtype.__name__}", x, tile=(4096,)), join="tanh(x0)").numpy()
         finite = np.isfinite(want)
-        np.testing.assert_array_max_ulp(got[finite], want[finite], maxulp=3 if dtype == np.float64 else 1)
+        np.testing.assert_array_max_ulp(got[finite], want[finite], maxulp=4 if dtype == np.float64 else 1)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))

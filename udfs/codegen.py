@@ -86,6 +86,8 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
         "import numba",
         "import numpy as np",
         "",
+        "from tra_sql.udfs.vector_exp import exp64",
+        "",
         "",
         f"@numba.njit(nogil=True, cache=True{', parallel=True' if parallel else ''})",
         f"def kernel(out, {'ROWS, COLS, ' if sparse else ''}{', '.join(arrays)}):",

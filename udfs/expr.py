@@ -11,8 +11,9 @@ Where DuckDB has no value to give, IEEE arithmetic does: ``x % 0`` and ``x // 0`
 DuckDB) and ``CASE`` without ``ELSE`` (NULL in DuckDB; a tile holds no NULLs) give NaN, inf
 and 0. Each operand of a node is evaluated once (compound ones are bound by a ``lambda``).
 Where a faster formula gives DuckDB's value within a few ulp of float64 it may replace libm's
-call (below float32's resolution, within float64 tests' tolerances): ``tanh`` is computed from
-``exp`` (``functions.TANH``, within 3 ulp of DuckDB's ``tanh``, about 1.5x faster in a loop).
+call (below float32's resolution, within float64 tests' tolerances), so that a loop over the
+expression vectorizes: ``exp`` is ``vector_exp.exp64`` (within 3 ulp, of a DOUBLE as in DuckDB),
+``tanh`` is computed from it (``functions.TANH``, within 4 ulp; a GELU's loop 4x faster).
 """
 
 from __future__ import annotations

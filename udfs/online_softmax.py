@@ -17,64 +17,27 @@ row without weight)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from tra_sql.udfs.blas import NO_TRANS, ROW_MAJOR, TRANS
 from tra_sql.udfs.nopython import DGEMM, SGEMM, lock, unlock
+from tra_sql.udfs.vector_exp import exp32, exp64
 
 ROW_BLOCK = 128  # query rows per block; each computes only the span of keys its mask allows
-LOG2E = 1.4426950408889634
-# ln 2 in two parts (Cody and Waite), float64 and float32
-LN2 = (0.693145751953125, 1.428606820309417232e-06)
-LN2_32 = (np.float32(0.693359375), np.float32(-2.12194440e-4))
-# 1/k! for exp's polynomials on [-ln 2/2, ln 2/2] (float64: Taylor to k = 12; float32: Cephes' expf)
-TAYLOR = tuple(1.0 / np.prod(np.arange(1.0, k + 1)) for k in range(13))
-EXPF = tuple(np.float32(c) for c in (1.0, 1.0, 0.5, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
-                                     1.3981999507e-3, 1.9875691500e-4))
-
-
-def _from_bits(real: types.Type, integer: types.Type):
-    @intrinsic
-    def from_bits(typingctx, bits):
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], context.get_value_type(real))
-        return real(integer), codegen
-    return from_bits
-
-
-_F32 = _from_bits(types.float32, types.int32)
-_F64 = _from_bits(types.float64, types.int64)
 
 
 @njit(cache=True, nogil=True)
 def _exp32(x, top) -> None:
-    """``x = exp(x - top)`` for float32 ``x <= top`` (-inf: 0; NaN: NaN), a loop LLVM vectorizes
-    (about NumPy's SIMD exp's accuracy, 1 ulp; 0 below exp(-87))."""
+    """``x = exp(x - top)`` for float32 ``x`` (-inf: 0; NaN: NaN), a loop LLVM vectorizes."""
     for j in range(len(x)):
-        d = x[j] - top
-        v = max(d, np.float32(-87.0))
-        n = np.floor(v * np.float32(LOG2E) + np.float32(0.5))
-        r = v - n * LN2_32[0] - n * LN2_32[1]
-        p = EXPF[7]
-        for c in (EXPF[6], EXPF[5], EXPF[4], EXPF[3], EXPF[2], EXPF[1], EXPF[0]):
-            p = p * r + c
-        x[j] = p * _F32((np.int32(n) + np.int32(127)) << np.int32(23)) if not d <= np.float32(-87.0) else 0
+        x[j] = exp32(x[j] - top)
 
 
 @njit(cache=True, nogil=True)
 def _exp64(x, top) -> None:
-    """``x = exp(x - top)`` for float64 ``x <= top`` (-inf: 0) as ``_exp32`` (about 1e-15
-    relative; 0 below exp(-708))."""
+    """``x = exp(x - top)`` for float64 ``x``, as ``_exp32``."""
     for j in range(len(x)):
-        d = x[j] - top
-        v = max(d, -708.0)
-        n = np.floor(v * LOG2E + 0.5)
-        r = v - n * LN2[0] - n * LN2[1]
-        p = TAYLOR[12]
-        for k in range(11, -1, -1):
-            p = p * r + TAYLOR[k]
-        x[j] = p * _F64((np.int64(n) + np.int64(1023)) << np.int64(52)) if not d <= -708.0 else 0
+        x[j] = exp64(x[j] - top)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -163,7 +126,7 @@ def fold(q, k, v, allowed, masked, scale, row_max, row_sum, acc, mutex) -> None:
                 else:
                     _exp64(x, top)
                 total = _sum(x)
-                carry = np.exp(old - top)
+                carry = exp64(old - top)
                 row_sum[b, r] = row_sum[b, r] * carry + total
                 row_max[b, r] = top
                 acc[b, r] *= carry
