@@ -34,6 +34,7 @@ import pyarrow as pa, pyarrow.compute
 import tra_sql
 import tra_sql.graph, tra_sql.tensor
 from tra_sql import nn
+from tra_sql.backends.spark_parameters import marker
 from tra_sql.catalog import TensorInfo, assemble
 from tra_sql.compile import program as compiled
 from tra_sql.train_step import compile_step, run_step
@@ -52,15 +53,20 @@ def stepped(t, fused):  # tensor t's tiles computed as a training step computes 
     return rows.drop_columns(["target"])
 
 def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark computes its roots (one job),
-    # with two row-wise results read from t beside it (one step where t is complete: spark_siblings), each 2t
-    results = {"out": t.node}
+    # with row-wise results read from t beside it (one step where t is complete: spark_siblings), each 2t: one
+    # scales t by a stored scalar that holds 0 while the step binds 2 as its parameter (spark_parameters)
+    results, scalars, args = {"out": t.node}, frozenset(), {}
     if t.node.layout == "dense" and t.node.shape and t.node.dtype.kind == "f":
         s = "abcdefgh"[:len(t.node.shape)]
+        scalar = db.from_numpy(f"_diff_scalar_{t.node.dtype}", np.array(0, t.node.dtype), replace=True)
+        scalars, args = frozenset({scalar.name.lower()}), {marker(scalar.name): np.array(2, t.node.dtype).tobytes()}
         results |= {"twice": db.einsum(f"{s}->{s}", t, join="x0 * 2").node,
-                    "sum": db.einsum(f"{s},{s}->{s}", t, t, join="x0 + x1").node}
+                    "sum": db.einsum(f"{s},{s}->{s}", t, t, join="x0 + x1").node,
+                    "scaled": db.einsum(f"{s},->{s}", t, scalar, join="x0 * x1").node}
     query = db.engine.sql_dialect().union_steps(compiled.Program.compile(*results.values()), results,
-                                                db.engine.completeness())
-    with db.engine.steps(query, "a differential step") as frame:
+                                                db.engine.completeness(), scalars)
+    assert query.parameters == scalars
+    with db.engine.steps(query, "a differential step", args) as frame:
         rows = frame.toArrow()
     def of(target):
         return rows.filter(pa.compute.equal(rows["target"], target)).drop_columns(["target"])

@@ -539,6 +539,34 @@ def test_a_training_step_compiles_its_classes_once(sdb):
     assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
 
 
+def test_training_keeps_its_data_in_the_executors_while_it_runs(sdb):
+    """The stored tables the steps read and do not write (the data, lX and lY) are kept in the
+    executors while ``train`` runs, not the parameters, the optimizer's state or scalars, which
+    each step rewrites; afterwards none is, but for a table the user kept before. Data
+    replaced between steps is read anew: the second step follows numpy's on the new features."""
+    spark = sdb.engine.spark
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    x2 = np.random.default_rng(6).standard_normal(x.shape)
+    spark.sql("CACHE TABLE lY")
+    kept = []
+
+    def before_step(step, batch):
+        kept.append(sorted(t.lower() for t in sdb.tensors() if spark.catalog.isCached(f"`{t}`")))
+        if step == 1:
+            sdb.from_numpy("lX", x2, tile=(16, 8), replace=True)
+
+    sdb.train(loss, params, SGD(lr=0.5), 2, run="kept", progress=False, before_step=before_step)
+    assert kept == [["ly"], ["lx", "ly"]]
+    assert [t.lower() for t in sdb.tensors() if spark.catalog.isCached(f"`{t}`")] == ["ly"]
+    spark.sql("UNCACHE TABLE lY")
+    b = np.zeros(3)
+    for features in (x, x2):
+        _, gw, gb = numpy_gradient(features, y, w, b)
+        w, b = w - 0.5 * gw, b - 0.5 * gb
+    np.testing.assert_allclose(params[0].numpy(), w, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), b, rtol=1e-10, atol=1e-14)
+
+
 def test_a_training_step_is_one_spark_job(sdb):
     """A training step (forward, gradients, Adam: views shared by several steps) writes its
     results in one Spark job, and a program read back is one job too: the shared views are

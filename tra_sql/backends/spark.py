@@ -248,8 +248,9 @@ class SparkEngine(Engine):
         return SparkDialect(self.group_bytes, self.budget()[1])
 
     @contextmanager
-    def steps(self, steps: Steps, what: str):
-        """The (lazy) DataFrame of ``steps``' final query, while their views exist: each a
+    def steps(self, steps: Steps, what: str, args: dict[str, bytes] | None = None):
+        """The (lazy) DataFrame of ``steps``' final query (its named parameters bound to
+        ``args``), while their views exist: each a
         temporary view; one read more than once is a lazy local checkpoint (computed once,
         when first read, and kept by the executors, on disk if it is ``big``: in their heaps a
         checkpoint takes the memory the tasks need; a cached plan would instead carry its
@@ -263,7 +264,7 @@ class SparkEngine(Engine):
         if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
             values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
         with settings(self.spark, values), call_site(self.spark, f"tra_sql: {what}"), \
-                self._views(steps, what) as final:
+                self._views(steps, what, args) as final:
             yield final
 
     def query_settings(self) -> dict[str, str]:
@@ -281,20 +282,20 @@ class SparkEngine(Engine):
         return max(1, min(int(self.spark.conf.get(PARTITIONS)), math.ceil(nbytes / advisory)))
 
     @contextmanager
-    def _views(self, steps: Steps, what: str):
+    def _views(self, steps: Steps, what: str, args: dict[str, bytes] | None):
         from pyspark import StorageLevel
 
         checkpoints = []
         try:
             try:
                 for name, sql, reads in steps.views:
-                    frame = self.spark.sql(sql)
+                    frame = self.spark.sql(sql, args=args)
                     if reads > 1:
                         kept = StorageLevel.DISK_ONLY if name in steps.big else None
                         frame = frame.localCheckpoint(eager=False, storageLevel=kept)
                         checkpoints.append(frame._jdf.queryExecution().logical().rdd())
                     frame.createOrReplaceTempView(name)
-                final = self.spark.sql(steps.final)
+                final = self.spark.sql(steps.final, args=args)
             except Exception as err:
                 raise spark_udfs.translate(err, f"planning {what}") from None
             yield final
@@ -387,6 +388,23 @@ class SparkEngine(Engine):
         if files:
             return sum(pq.read_metadata(f).num_rows for f in files)
         return self.spark.table(quote(table)).count()
+
+    def keep_tables(self, names) -> set[str]:
+        """Keep tables ``names`` in the executors (in memory, else on their disks) from their
+        next read on, and return those this call started keeping (not those the session already
+        kept): a training run's data, which every step reads. A replacement published later
+        (``Warehouse``: ``REFRESH TABLE``) is kept in its place."""
+        started = set()
+        for name in names:
+            if not self.spark.catalog.isCached(quote(name)):
+                self.spark.sql(f"CACHE LAZY TABLE {quote(name)} OPTIONS ('storageLevel' 'MEMORY_AND_DISK')")
+                started.add(name)
+        return started
+
+    def release_tables(self, names) -> None:
+        """Stop keeping tables ``names`` (``keep_tables``) in the executors."""
+        for name in names:
+            self.spark.sql(f"UNCACHE TABLE IF EXISTS {quote(name)}")
 
     # -- cluster resources, for the planner ---------------------------------------------
     def memory_limit(self) -> int | None:

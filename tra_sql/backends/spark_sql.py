@@ -37,6 +37,7 @@ from math import ceil, prod
 import numpy as np
 from sqlglot import exp
 
+from tra_sql.backends.spark_parameters import scalar_parameters
 from tra_sql.backends.spark_siblings import merge_siblings
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
@@ -99,6 +100,8 @@ class Steps:
     #: (a staged plan's band queries): a checkpoint of one is kept on the executors' disks, not
     #: in their heaps
     big: frozenset[str] = frozenset()
+    #: the scalar relations read as query parameters (``spark_parameters``): bind their tiles
+    parameters: frozenset[str] = frozenset()
 
     def text(self) -> str:
         """All of it as one script, for reading."""
@@ -152,19 +155,22 @@ class SparkDialect(Dialect):
         keys = _keys(rank)
         return self._steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")))
 
-    def union_steps(self, program: Program, results: dict, complete: Callable[[Node], bool] | None = None) -> Steps:
+    def union_steps(self, program: Program, results: dict, complete: Callable[[Node], bool] | None = None,
+                    scalars: frozenset[str] = frozenset()) -> Steps:
         """``Program.union_query(results)`` as steps: the final query returns the rows
         ``target, k0, ..., tile`` (INT keys) of several results. With ``complete`` (which nodes
         have every tile: ``absent.Completeness``), row-wise results that share relations are
         computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
-        tiles (a task's tile budget)."""
+        tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
+        are read as query parameters where they can be (``spark_parameters``)."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
+        parameters = scalar_parameters(query, scalars)
         steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes)
-        steps.nbytes = largest(program)
+        steps.nbytes, steps.parameters = largest(program), frozenset(parameters)
         return steps
 
     def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None) -> Steps:

@@ -26,11 +26,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tra_sql import graph
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
+from tra_sql.backends.spark_parameters import marker
 from tra_sql.backends.spark_sql import Steps
 from tra_sql.backends.warehouse import columns, write_parquet
 from tra_sql.compile.program import Program
+from tra_sql.graph import Source
 from tra_sql.optim import Optimizer
 
 RUN_SCHEMA = pa.schema([("run", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("batch", pa.int64()),
@@ -64,6 +67,7 @@ class SparkTrainer(core.Trainer):
     def __init__(self, *args):
         super().__init__(*args)
         self.queries: dict[int, Steps] = {}
+        self.kept: set[str] = set()  # the training data this run keeps in the executors
 
     def staging(self, batch: int):
         return self.db.engine.warehouse.root / "_staging" / self.prefix(batch)
@@ -71,21 +75,44 @@ class SparkTrainer(core.Trainer):
     def views(self) -> frozenset[str]:
         return frozenset()  # relations on Spark are tables
 
-    def set_scalars(self, step: int) -> None:
+    def data(self, roots, written: set[str]) -> set[str]:
+        """The stored tables a step of ``roots`` reads that no step writes (the step's
+        ``written`` results, the optimizer's scalars): the training data."""
+        scalars = {t.name for tensors in self.scalars.values() for t in tensors.values()}
+        written = {name.lower() for name in written | scalars}
+        read = {n.table for root in roots for n in graph.topological(root) if isinstance(n, Source)}
+        return {name for name in read if name.lower() not in written}
+
+    def release(self) -> None:
+        """Stop keeping the training data in the executors."""
+        self.db.engine.release_tables(self.kept)
+        self.kept.clear()
+
+    def set_scalars(self, step: int, steps: Steps | None = None) -> dict[str, bytes]:
+        """Step ``step``'s scalars: the tiles of those ``steps`` reads as query parameters
+        (``spark_parameters``), by parameter; the others are written to their tables."""
+        args = {}
         for key, value in self.optimizer.scalars(step).items():
             for dtype, tensors in self.scalars.items():
-                self.db.from_numpy(tensors[key].name, np.array(value, dtype=dtype), replace=True)
+                name = tensors[key].name
+                if steps is not None and name.lower() in steps.parameters:
+                    args[marker(name)] = np.array(value, dtype=dtype).tobytes()
+                else:
+                    self.db.from_numpy(name, np.array(value, dtype=dtype), replace=True)
+        return args
 
     def step(self, batch: int, step: int) -> float:
         p = self.plan(batch)
         if batch not in self.queries:
             program = Program.compile(*p.nodes.values())
+            scalars = frozenset(t.name.lower() for tensors in self.scalars.values() for t in tensors.values())
             self.queries[batch] = self.db.engine.sql_dialect().union_steps(program, p.nodes,
-                                                                           self.db.engine.completeness())
-        self.set_scalars(step)
+                                                                           self.db.engine.completeness(), scalars)
+            self.kept |= self.db.engine.keep_tables(self.data(p.nodes.values(), set(p.tables)))
+        args = self.set_scalars(step, self.queries[batch])
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)
-        with self.db.engine.steps(self.queries[batch], f"step {step} of run '{self.run}'") as frame:
+        with self.db.engine.steps(self.queries[batch], f"step {step} of run '{self.run}'", args) as frame:
             try:
                 frame.write.partitionBy("target").parquet(str(staging))
             except Exception as err:
@@ -146,5 +173,11 @@ class SparkTrainer(core.Trainer):
 def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run: str = "run", batches: int = 1,
           before_step: Callable[[int, int], None] | None = None,
           on_epoch: Callable[[int, float], None] | None = None, progress: bool | None = None) -> core.History:
-    """``tra_sql.train.train`` on a Spark session (same arguments, same resumable runs)."""
-    return core.loop(SparkTrainer(db, loss, params, optimizer, run, batches), epochs, before_step, on_epoch, progress)
+    """``tra_sql.train.train`` on a Spark session (same arguments, same resumable runs). The
+    training data (the stored tables the steps read and do not write) stays in the executors
+    while it runs (``SparkEngine.keep_tables``), as a Spark user caches a model's inputs."""
+    trainer = SparkTrainer(db, loss, params, optimizer, run, batches)
+    try:
+        return core.loop(trainer, epochs, before_step, on_epoch, progress)
+    finally:
+        trainer.release()
