@@ -2,12 +2,12 @@
 loop's fold, the tile fold (``ufunc``), the staged plans' ``combine`` and the ``identity``
 compute the same thing, so a new entry is checked by this file before any program runs."""
 
-import math
 
 import numpy as np
 import pytest
 
 from tra_sql.aggregates import AGGREGATES
+from tra_sql.udfs.codegen import namespace
 from tra_sql.udfs.expr import join_code
 
 
@@ -32,7 +32,7 @@ def test_definition_is_consistent(name, dtype):
     assert agg.ufunc.reduce(np.concatenate([[start], values]).astype(values.dtype)) == agg.ufunc.reduce(values)
     assert _loop_fold(agg, start, values) == pytest.approx(agg.ufunc.reduce(values))
     x0, x1 = values[:3], values[3:6]
-    combined = np.array([eval(join_code(agg.combine, 2), {"np": np, "math": math}, {"x0": a, "x1": b})
+    combined = np.array([eval(join_code(agg.combine, 2), namespace(), {"x0": a, "x1": b})
                          for a, b in zip(x0, x1)])
     np.testing.assert_allclose(combined, agg.ufunc(x0, x1))
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql import derivative, expressions, graph
 from tra_sql.autodiff import Context, gradients
+from tra_sql.udfs.codegen import namespace
 from tra_sql.udfs.expr import join_code
 
 torch = pytest.importorskip("torch")
@@ -50,7 +51,7 @@ RULES = [
 
 def _evaluate(sql: str, values) -> float:
     code = join_code(sql, 2)
-    return float(eval(code, {"math": math, "np": np}, {"x0": values[0], "x1": values[1]}))
+    return float(eval(code, namespace(), {"x0": values[0], "x1": values[1]}))
 
 
 def _symbolic(sql: str, values) -> list[float]:

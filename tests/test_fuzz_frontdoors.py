@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 import tra_sql
 from tra_sql import cli
 from tra_sql.frontend.statements import split_statements, tokenize
+from tra_sql.udfs.codegen import namespace
 from tra_sql.udfs.expr import join_code
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -40,12 +41,12 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 # -- join expressions: translated code against DuckDB evaluating the same SQL ---------------------------
 def kernel(code: str, n: int = 2):
     """The join ``code`` compiled as a loop kernel writes it (``v = code`` into a float64 out,
-    ``math`` and ``np`` in scope; see ``udfs/codegen.py``), without the disk cache."""
+    a kernel module's imports in scope: ``codegen.namespace``), without the disk cache."""
     names = ", ".join(f"X{m}" for m in range(n))
     reads = "".join(f"        x{m} = X{m}[i]\n" for m in range(n))
     source = f"def k(out, {names}):\n    for i in range(out.shape[0]):\n{reads}        out[i] = {code}\n"
     scope: dict = {}
-    exec(source, {"math": math, "np": np, "numba": numba}, scope)
+    exec(source, namespace(), scope)
     return numba.njit(scope["k"])
 
 

@@ -37,6 +37,17 @@ def cache_dir() -> Path:
     raise OSError("no writable directory for the kernel cache; set TRA_SQL_CACHE_DIR")
 
 
+#: A kernel module's imports: the names the code of a join expression (``expr.join_code``) uses.
+IMPORTS = ("import math", "import numba", "import numpy as np", "", "from tra_sql.udfs.vector_exp import exp64")
+
+
+def namespace() -> dict:
+    """The names of ``IMPORTS``, to run join code outside a kernel module (tests, references)."""
+    scope: dict = {}
+    exec("\n".join(IMPORTS), scope)  # noqa: S102
+    return scope
+
+
 def canonical(inputs: tuple[str, ...], output: str) -> tuple[tuple[str, ...], str]:
     """Rename indices in order of first appearance, so equivalent specs share one kernel."""
     names: dict[str, str] = {}
@@ -82,11 +93,7 @@ def kernel_source(inputs: tuple[str, ...], output: str, join_code: str, agg: str
     decides = {"@": bool(set(output) & set(pattern))} | {ch: ch in output for ch in size_of}
     split = max((d + 1 for d, ch in enumerate(order) if decides[ch]), default=0)
     lines = [
-        "import math",
-        "import numba",
-        "import numpy as np",
-        "",
-        "from tra_sql.udfs.vector_exp import exp64",
+        *IMPORTS,
         "",
         "",
         f"@numba.njit(nogil=True, cache=True{', parallel=True' if parallel else ''})",
