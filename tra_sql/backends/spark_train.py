@@ -75,11 +75,14 @@ class SparkTrainer(core.Trainer):
     def views(self) -> frozenset[str]:
         return frozenset()  # relations on Spark are tables
 
+    def scalar_relations(self) -> frozenset[str]:
+        """Lower-case names of the optimizer's scalar relations."""
+        return frozenset(t.name.lower() for tensors in self.scalars.values() for t in tensors.values())
+
     def data(self, roots, written: set[str]) -> set[str]:
         """The stored tables a step of ``roots`` reads that no step writes (the step's
         ``written`` results, the optimizer's scalars): the training data."""
-        scalars = {t.name for tensors in self.scalars.values() for t in tensors.values()}
-        written = {name.lower() for name in written | scalars}
+        written = {name.lower() for name in written} | self.scalar_relations()
         read = {n.table for root in roots for n in graph.topological(root) if isinstance(n, Source)}
         return {name for name in read if name.lower() not in written}
 
@@ -105,9 +108,8 @@ class SparkTrainer(core.Trainer):
         p = self.plan(batch)
         if batch not in self.queries:
             program = Program.compile(*p.nodes.values())
-            scalars = frozenset(t.name.lower() for tensors in self.scalars.values() for t in tensors.values())
-            self.queries[batch] = self.db.engine.sql_dialect().union_steps(program, p.nodes,
-                                                                           self.db.engine.completeness(), scalars)
+            self.queries[batch] = self.db.engine.sql_dialect().union_steps(
+                program, p.nodes, self.db.engine.completeness(), self.scalar_relations())
             self.kept |= self.db.engine.keep_tables(self.data(p.nodes.values(), set(p.tables)))
         args = self.set_scalars(step, self.queries[batch])
         staging = self.staging(batch)
