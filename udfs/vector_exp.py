@@ -2,7 +2,7 @@
 
 Numba compiles ``np.exp`` of a scalar to a call of libm's ``exp`` (no SVML here), and one
 call in a loop body keeps the whole loop scalar: a GELU's ``tanh`` (computed from ``exp``)
-took 6x PyTorch's time. These functions reduce ``x = n ln 2 + r`` (|r| <= ln 2 / 2, Cody and
+took 5.5x PyTorch's time. These functions reduce ``x = n ln 2 + r`` (|r| <= ln 2 / 2, Cody and
 Waite's two-part ln 2), take a polynomial of ``r`` and scale it by ``2^n`` in two halves, so
 that every ``n`` from the smallest subnormal result to overflow builds a normal power of two:
 results underflow to 0 and overflow to inf as libm's do, ``-inf`` gives 0, NaN stays NaN, and
