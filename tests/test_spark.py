@@ -567,6 +567,20 @@ def test_training_keeps_its_data_in_the_executors_while_it_runs(sdb):
     np.testing.assert_allclose(params[1].numpy(), b, rtol=1e-10, atol=1e-14)
 
 
+def test_training_data_beyond_a_tasks_budget_is_read_from_its_files(sdb, monkeypatch):
+    """Data that would not fit a task's tile budget is not kept in the executors (its memory
+    is the tasks'): each step reads it from its files."""
+    spark = sdb.engine.spark
+    loss, params, _ = logistic_regression(sdb)
+    assert sdb.engine.stored_bytes("lX") > 2560  # 40 x 8 doubles and Parquet's own bytes
+    monkeypatch.setattr(sdb.engine, "budget", lambda *args, **kwargs: (2, 2560.0))
+    kept = []
+    sdb.train(loss, params, SGD(lr=0.5), 2, run="unkept", progress=False,
+              before_step=lambda step, batch: kept.append([t for t in sdb.tensors()
+                                                           if spark.catalog.isCached(f"`{t}`")]))
+    assert kept == [[], []]
+
+
 def test_a_training_step_is_one_spark_job(sdb):
     """A training step (forward, gradients, Adam: views shared by several steps) writes its
     results in one Spark job, and a program read back is one job too: the shared views are

@@ -389,6 +389,10 @@ class SparkEngine(Engine):
             return sum(pq.read_metadata(f).num_rows for f in files)
         return self.spark.table(quote(table)).count()
 
+    def stored_bytes(self, table: str) -> int:
+        """Bytes of table ``table``'s Parquet files in the warehouse."""
+        return sum(f.stat().st_size for f in self.warehouse.path(table).glob("*.parquet"))
+
     def keep_tables(self, names) -> set[str]:
         """Keep tables ``names`` in the executors (in memory, else on their disks) from their
         next read on, and return those this call started keeping (not those the session already

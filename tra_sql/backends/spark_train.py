@@ -86,6 +86,14 @@ class SparkTrainer(core.Trainer):
         read = {n.table for root in roots for n in graph.topological(root) if isinstance(n, Source)}
         return {name for name in read if name.lower() not in written}
 
+    def keep_data(self, data: set[str]) -> None:
+        """Keep ``data`` in the executors for the run if all of it fits a task's tile budget
+        (``SparkEngine.budget``): data kept in an executor's memory is taken from its tasks',
+        which the step's plan counts on; larger data is read from its files each step."""
+        engine = self.db.engine
+        if sum(engine.stored_bytes(name) for name in data) <= engine.budget()[1]:
+            self.kept |= engine.keep_tables(data)
+
     def release(self) -> None:
         """Stop keeping the training data in the executors."""
         self.db.engine.release_tables(self.kept)
@@ -110,7 +118,7 @@ class SparkTrainer(core.Trainer):
             program = Program.compile(*p.nodes.values())
             self.queries[batch] = self.db.engine.sql_dialect().union_steps(
                 program, p.nodes, self.db.engine.completeness(), self.scalar_relations())
-            self.kept |= self.db.engine.keep_tables(self.data(p.nodes.values(), set(p.tables)))
+            self.keep_data(self.data(p.nodes.values(), set(p.tables)))
         args = self.set_scalars(step, self.queries[batch])
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)
