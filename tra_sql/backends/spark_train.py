@@ -87,11 +87,12 @@ class SparkTrainer(core.Trainer):
         return {name for name in read if name.lower() not in written}
 
     def keep_data(self, data: set[str]) -> None:
-        """Keep ``data`` in the executors for the run if all of it fits a task's tile budget
-        (``SparkEngine.budget``): data kept in an executor's memory is taken from its tasks',
-        which the step's plan counts on; larger data is read from its files each step."""
+        """Keep ``data`` in the executors for the run if it and the data kept already fit a
+        task's tile budget (``SparkEngine.budget``): data kept in an executor's memory is taken
+        from its tasks', which the step's plan counts on; larger data is read from its files
+        each step."""
         engine = self.db.engine
-        if sum(engine.stored_bytes(name) for name in data) <= engine.budget()[1]:
+        if sum(engine.stored_bytes(name) for name in data | self.kept) <= engine.budget()[1]:
             self.kept |= engine.keep_tables(data)
 
     def release(self) -> None:
