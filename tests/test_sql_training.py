@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tra_sql
-from tra_sql.errors import ShapeError, SpecError, SQLError, TensorExistsError, UnknownTensorError
+from tra_sql.errors import DTypeError, ShapeError, SpecError, SQLError, TensorExistsError, UnknownTensorError
 from tra_sql.optim import SGD, Adam
 from tra_sql.train import cross_entropy
 
@@ -138,6 +138,24 @@ def test_parameters_are_kept_replaced_and_checked(db):
         db.sql("CREATE PARAMETER V WITH (shape := [2], init := 'ones_please')")
     with pytest.raises(SQLError, match="CREATE .*PARAMETER name WITH"):
         db.sql("CREATE PARAMETER V")
+
+
+@pytest.mark.parametrize("statement, error, message", [
+    ("CREATE PARAMETER W WITH (shape := [3, 2], init := 'bogus')", SpecError, "initializer 'bogus'"),
+    ("CREATE PARAMETER W WITH (shape := [3, 2], dtype := 'float16')", DTypeError, "float16 is not supported"),
+    ("CREATE PARAMETER W WITH (shape := [3, 2], dtype := 'float32')", DTypeError, "'W' is stored as float64"),
+    ("CREATE PARAMETER W WITH (shape := [3, 2], tile := [1, 2])", ShapeError, r"'W' is stored in tiles of \(3, 2\)"),
+    ("CREATE PARAMETER W WITH (shape := [3, 2], tile := [0, 2])", ShapeError, "tile"),
+])
+def test_a_stored_parameter_is_kept_only_if_it_is_what_the_statement_asks_for(db, statement, error, message):
+    """A rerun's CREATE PARAMETER keeps the stored tensor, but not silently one of another dtype or
+    tiling than it names, and never with options that would fail on a fresh database."""
+    w = db.tensor("W").numpy()
+    with pytest.raises(error, match=message):
+        db.sql(statement)
+    np.testing.assert_array_equal(db.tensor("W").numpy(), w)
+    db.sql("CREATE PARAMETER W WITH (shape := [3, 2], dtype := 'float64', tile := [3, 2])")  # what it is: kept
+    np.testing.assert_array_equal(db.tensor("W").numpy(), w)
 
 
 def test_view_names_and_errors(db):

@@ -313,6 +313,21 @@ def test_a_stored_parameter_of_another_shape_is_a_shape_error(db):
         db.parameter("P", init=np.zeros(3))
 
 
+def test_a_stored_parameter_of_another_dtype_or_tiling_is_an_error_and_its_arguments_are_checked(db):
+    w = db.parameter("P", (4, 6), dtype="float32", tile=(2, 3)).numpy()
+    assert db.parameter("P").dtype == np.float32  # no dtype given: the stored one
+    assert db.parameter("P", (4, 6), dtype="float32", tile=(2, 3)).tile == (2, 3)
+    with pytest.raises(tra_sql.errors.DTypeError, match="'P' is stored as float32, not float64"):
+        db.parameter("P", (4, 6), dtype="float64")
+    with pytest.raises(tra_sql.errors.ShapeError, match=r"'P' is stored in tiles of \(2, 3\), not \(4, 6\)"):
+        db.parameter("P", (4, 6), tile=(4, 6))
+    with pytest.raises(tra_sql.errors.DTypeError, match="float16 is not supported"):
+        db.parameter("P", (4, 6), dtype="float16")
+    with pytest.raises(tra_sql.errors.SpecError, match="initializer 'glorot'"):
+        db.parameter("P", (4, 6), init="glorot")
+    np.testing.assert_array_equal(db.tensor("P").numpy(), w)
+
+
 def test_accuracy_is_hits_over_count_as_numpy_rounds_it(db):
     """Hits are counted, then divided once: summing 1/count per row over 64-row tiles gave
     1.0000000000000004 for a perfect score."""

@@ -101,7 +101,7 @@ def create_parameter(session: Session, statement: Statement, run: bool) -> str |
     shape = ints_literal(options["shape"], "shape")
     init = string_literal(options["init"], "init") if "init" in options else "glorot_uniform"
     given = {"seed": int_literal(options["seed"], "seed") if "seed" in options else 0,
-             "dtype": string_literal(options["dtype"], "dtype") if "dtype" in options else "float64",
+             "dtype": string_literal(options["dtype"], "dtype") if "dtype" in options else None,
              "tile": ints_literal(options["tile"], "tile") if "tile" in options else None,
              "scale": float(value_literal(options["scale"], "scale")) if "scale" in options else None}
     if not run:
