@@ -110,8 +110,24 @@ def test_store_over_plain_table_refused(db, ab):
 
 def test_all_errors_are_tra_errors():
     for cls in (tra_sql.SpecError, tra_sql.ShapeError, tra_sql.DTypeError, tra_sql.UnknownTensorError,
-                tra_sql.CorruptTileError, tra_sql.TensorExistsError, tra_sql.ExecutionError):
+                tra_sql.CorruptTileError, tra_sql.TensorExistsError, tra_sql.ExecutionError,
+                tra_sql.SessionClosedError):
         assert issubclass(cls, tra_sql.TraError)
+
+
+def test_a_closed_session_and_its_tensors_say_so(tmp_path):
+    db = tra_sql.connect(str(tmp_path / "t.duckdb"))
+    A = db.from_numpy("A", np.ones((4, 3)), tile=(2, 2))
+    db.close()
+    db.close()  # again: nothing
+    assert repr(db).endswith("t.duckdb> (closed)>")
+    for use in (A.numpy, db.tensors, lambda: db.sql("SELECT 1"), lambda: db.einsum("ij->i", A).numpy(),
+                lambda: db.from_numpy("B", np.ones(3)), lambda: A.store("C")):
+        with pytest.raises(tra_sql.SessionClosedError, match=r"the session on <tra_sql DuckDB database .*t\.duckdb> "
+                                                             r"is closed"):
+            use()
+    with tra_sql.connect(str(tmp_path / "t.duckdb")) as again:  # the database itself is as it was
+        np.testing.assert_array_equal(again.tensor("A").numpy(), np.ones((4, 3)))
 
 
 def test_operand_from_other_session(ab):

@@ -15,6 +15,7 @@ from tra_sql.errors import (
     DTypeError,
     ExecutionError,
     MemoryBudgetError,
+    SessionClosedError,
     ShapeError,
     SpecError,
     SQLError,
@@ -29,7 +30,7 @@ LAZY = {"connect": "tra_sql.session", "Session": "tra_sql.session", "Tensor": "t
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
     "UnknownTensorError", "TensorExistsError", "CorruptTileError", "CatalogDriftError", "ExecutionError", "SQLError",
-    "MemoryBudgetError",
+    "MemoryBudgetError", "SessionClosedError",
 ]
 __version__ = "0.1.0"
 

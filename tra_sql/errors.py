@@ -48,3 +48,7 @@ class ExecutionError(TraError):
 
 class SQLError(TraError, ValueError):
     """A malformed SQL statement, or a misuse of the tensor extensions to SQL."""
+
+
+class SessionClosedError(TraError):
+    """A session (or a tensor of one) used after ``close()``."""

@@ -38,6 +38,24 @@ def connect(database: str = ":memory:", *, threads: int | None = None,
     return Session(DuckDBEngine.open(database, threads=threads, memory_limit=memory_limit, read_only=read_only))
 
 
+class ClosedEngine:
+    """What a closed session holds in place of its engine: every use is an error."""
+
+    def __init__(self, description: str):
+        self.description = description
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{self.description} (closed)"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocols probed by copy, pickle, hasattr: not a use
+            raise AttributeError(name)
+        raise errors.SessionClosedError(f"the session on {self.description} is closed")
+
+
 class Session:
     """Tensor relations in an engine (``tra_sql.engines``): building lazy programs over them,
     running and storing them. Use ``connect()`` to make one."""
@@ -46,7 +64,12 @@ class Session:
         self.engine = engine
 
     def close(self) -> None:
-        self.engine.close()
+        """Release the engine; using the session or its tensors afterwards raises
+        ``SessionClosedError`` (closing again does nothing)."""
+        if isinstance(self.engine, ClosedEngine):
+            return
+        engine, self.engine = self.engine, ClosedEngine(repr(self.engine))
+        engine.close()
 
     def __enter__(self) -> Session:
         return self

@@ -111,6 +111,14 @@ class DuckDBEngine(Engine):
             raise ExecutionError(f"cannot open database {database!r}: {err}") from None
         return cls(con, read_only=read_only)
 
+    def __repr__(self) -> str:
+        try:
+            path = self.con.execute("SELECT path FROM duckdb_databases() "
+                                    "WHERE database_name = current_database()").fetchone()[0]
+        except duckdb.Error:
+            path = None
+        return f"<tra_sql DuckDB database {path or ':memory:'}>"
+
     def close(self) -> None:
         if self.native:
             self.native.close()
