@@ -735,7 +735,9 @@ def test_worker_killed_mid_query(cdb, cluster):
     query.start()
     deadline = time.monotonic() + 120
     while not any(s.numTasks == 8 and s.numActiveTasks == 2 for s in stages()):  # one task on each worker
-        assert query.is_alive() and time.monotonic() < deadline, "the slow stage never ran on both workers"
+        assert query.is_alive() and time.monotonic() < deadline, \
+            f"the slow stage never ran on both workers (query {'running' if query.is_alive() else 'ended'}: " \
+            f"{failure or result and 'a result' or 'nothing yet'})"
         time.sleep(0.02)
     cluster.kill_worker(0)
     retried = False

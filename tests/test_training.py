@@ -371,3 +371,39 @@ def test_an_interrupted_run_keeps_its_committed_steps(db, rng):
         db.train(loss, params, Adam(lr=0.05), 5, run="kept", progress=False, on_epoch=stop)
     assert db.sql("SELECT step FROM tra_runs WHERE run = 'kept'").fetchall() == [(2,)]
     assert {"kept__m__W1", "kept__v__W1"} <= {t for t in db.tensors()}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SGD(lr=-0.1), "lr must be a finite number >= 0, got -0.1"),
+    (lambda: Adam(lr=float("nan")), "lr must be a finite number >= 0, got nan"),
+    (lambda: SGD(lr="0.1"), "lr must be"),
+    (lambda: SGD(lr=0.1, momentum=-0.9), "momentum must be"),
+    (lambda: SGD(lr=0.1, weight_decay={"W1": -1e-4}), "weight_decay of 'W1' must be"),
+    (lambda: Adam(betas=(0.9, 1.0)), r"betas\[1\] must be in \[0, 1\), got 1.0"),
+    (lambda: Adam(betas=(0.9,)), "betas must be two numbers"),
+    (lambda: AdamW(eps=-1e-8), "eps must be"),
+])
+def test_optimizer_hyperparameters_are_checked_as_pytorch_checks_them(make, message):
+    with pytest.raises(tra_sql.SpecError, match=message):
+        make()
+
+
+def test_schedules_and_numpy_numbers_are_hyperparameters():
+    assert SGD(lr=lambda step: 0.1 / step).rate(2) == 0.05
+    assert Adam(lr=np.float32(0.5), betas=(np.float64(0.8), 0.9)).rate(1) == 0.5
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"epochs": -1}, "epochs must be a non-negative integer, got -1"),
+    ({"epochs": 1.5}, "epochs must be a non-negative integer, got 1.5"),
+    ({"epochs": 1, "batches": 0}, "batches must be a positive integer, got 0"),
+    ({"epochs": 1, "twice": True}, "parameter 'W1' is given more than once"),
+])
+def test_bad_training_arguments_are_spec_errors_that_leave_nothing(db, rng, options, message):
+    loss, params, _ = _problem(db, rng)
+    before = sorted(db.tensors())
+    if options.pop("twice", False):
+        params = params + ["w1"]  # the same tensor by name (names are case-insensitive)
+    with pytest.raises(tra_sql.SpecError, match=message):
+        db.train(loss, params, SGD(lr=0.1), run="bad", progress=False, **options)
+    assert sorted(db.tensors()) == before

@@ -12,6 +12,7 @@ L2 added to the gradient (SGD, Adam) or decoupled (AdamW); momentum has no dampe
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -29,6 +30,13 @@ def _f(value: float) -> str:
     return repr(float(value))
 
 
+def _check(value, what: str, below: float = math.inf) -> None:
+    """``value`` must be a finite number in [0, ``below``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < below:
+        limit = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"
+        raise SpecError(f"{what} must be {limit}, got {value!r}")
+
+
 @dataclass
 class Optimizer:
     """Base class: ``lr`` is a number or a function of the step (1, 2, ...); ``weight_decay``
@@ -39,6 +47,15 @@ class Optimizer:
 
     #: names of the state tensors kept per parameter (zeros at the start)
     slots: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        """PyTorch's checks of the hyperparameters: a rate (not a schedule) and weight decay
+        that are finite and not negative."""
+        if not callable(self.lr):
+            _check(self.lr, "lr")
+        for name, wd in (self.weight_decay.items() if isinstance(self.weight_decay, Mapping)
+                         else [(None, self.weight_decay)]):
+            _check(wd, "weight_decay" if name is None else f"weight_decay of {name!r}")
 
     def rate(self, step: int) -> float:
         return float(self.lr(step) if callable(self.lr) else self.lr)
@@ -90,6 +107,8 @@ class SGD(Optimizer):
     nesterov: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
+        _check(self.momentum, "momentum")
         if self.nesterov and not self.momentum:
             raise SpecError("Nesterov momentum needs momentum > 0")
         self.slots = ("momentum",) if self.momentum else ()
@@ -120,6 +139,14 @@ class Adam(Optimizer):
     slots: tuple[str, ...] = ("m", "v")
 
     decoupled = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.betas) != 2:
+            raise SpecError(f"betas must be two numbers, got {self.betas!r}")
+        for k, beta in enumerate(self.betas):
+            _check(beta, f"betas[{k}]", below=1.0)
+        _check(self.eps, "eps")
 
     def scalars(self, step):
         b1, b2 = self.betas

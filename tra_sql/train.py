@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -159,6 +160,8 @@ class Trainer:
 
     def __init__(self, db: Session, loss, params: Sequence, optimizer: Optimizer, run: str, batches: int):
         catalog.check_name(run)
+        if isinstance(batches, bool) or not isinstance(batches, numbers.Integral) or batches < 1:
+            raise SpecError(f"batches must be a positive integer, got {batches!r}")
         self.db, self.optimizer, self.run, self.batches = db, optimizer, run, batches
         self.loss_fn = loss if callable(loss) else (lambda b: loss)
         self.params = [db.tensor(p) if isinstance(p, str) else p for p in params]
@@ -166,6 +169,9 @@ class Trainer:
             if p.name is None:
                 raise SpecError("parameters must be stored tensors (db.parameter or db.from_numpy)")
         self.names = [p.name for p in self.params]
+        repeated = sorted({n for n in self.names if [m.lower() for m in self.names].count(n.lower()) > 1})
+        if repeated:
+            raise SpecError(f"parameter {repeated[0]!r} is given more than once")
         self.created: list[str] = []  # the state tensors this trainer made (``discard`` drops them)
         self.claimed = False  # whether ``resume`` wrote the run's row
         try:
@@ -354,6 +360,8 @@ def loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | 
 
 
 def _loop(trainer: Trainer, epochs: int, before_step, on_epoch, progress: bool | None) -> History:
+    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 0:
+        raise SpecError(f"epochs must be a non-negative integer, got {epochs!r}")
     step, epoch, batch, loss_sum = trainer.resume()
     batches = trainer.batches
     bar = tqdm(total=epochs, initial=min(epoch, epochs), disable=None if progress is None else not progress,
