@@ -61,6 +61,15 @@ def test_relation_errors_and_drop(edges):
     db.engine.con.execute("CREATE TABLE empty (a INTEGER)").fetchall()
     with pytest.raises(tra_sql.ShapeError, match="empty"):
         db.relation("empty", "a")
+    with pytest.raises(tra_sql.UnknownTensorError, match="no table or view named 'edgez'"):
+        db.relation("edgez", ("dst", "src"))
+    for keys, value in ((("dst", "source"), "w"), (("dst", "src"), "weight")):  # shape given or not: checked
+        with pytest.raises(tra_sql.SpecError, match=r"relation over 'edges': no column '(source|weight)' "
+                                                    r"\(it has dst, src, w\)"):
+            db.relation("edges", keys, value, name="cols")
+        with pytest.raises(tra_sql.SpecError, match="no column"):
+            db.relation("edges", keys, value, (4, 4), name="cols")
+    assert db.relation("EDGES", ("DST", "Src"), "W", (4, 4), name="cased").shape == (4, 4)  # as SQL: any case
     relations.drop_relation(db, "edges_dst_src")
     assert "edges_dst_src" not in db.tensors()
     with pytest.raises(tra_sql.UnknownTensorError):

@@ -462,6 +462,10 @@ def test_relation_and_sparse_gradient(sdb, duck):
     # a CSR relation on Spark: a ReLU layer over it, its gradient at W and at the entries
     c = sdb.relation("redges", ("dst", "src"), "w", (12, 12), name="rC", layout="csr", tile=(5, 12), replace=True)
     assert c.node.layout == "csr"
+    with pytest.raises(tra_sql.SpecError, match="relation over 'redges': no column 'weight'"):
+        sdb.relation("redges", ("dst", "src"), "weight", (12, 12), name="rD")
+    with pytest.raises(tra_sql.UnknownTensorError, match="no table or view named 'nothere'"):
+        sdb.relation("nothere", ("dst", "src"), "w", (12, 12), name="rD")
     weight = sdb.tensor("rW")
     h = sdb.einsum("mh,h->mh", sdb.einsum("mn,nf,fh->mh", c, sdb.tensor("rX"), weight),
                    sdb.from_numpy("rb", np.full(4, 0.1), replace=True), join="greatest(x0 + x1, 0)")

@@ -53,6 +53,18 @@ def _column(name: str) -> exp.Expression:
     return exp.column(name, quoted=True)
 
 
+def check_columns(db: Session, table: str, columns: tuple[str, ...]) -> None:
+    """``table`` exists and has ``columns`` (case-insensitive, as in SQL)."""
+    try:
+        found = db.engine.query(exp.select("*").from_(exp.to_table(table)).limit(0).sql(dialect=db.engine.dialect)).columns
+    except db.engine.Error:
+        raise UnknownTensorError(f"relation: no table or view named {table!r}") from None
+    have = {c.lower() for c in found}
+    for column in columns:
+        if column.lower() not in have:
+            raise SpecError(f"relation over {table!r}: no column {column!r} (it has {', '.join(found)})")
+
+
 def key_shape(db: Session, table: str, keys: tuple[str, ...]) -> tuple[int, ...]:
     """``max(key) + 1`` per key column."""
     select = exp.select(*[exp.Max(this=_column(k)) for k in keys]).from_(exp.to_table(table))
@@ -127,6 +139,9 @@ def relation_query(db: Session, table: str, keys, value: str | None = None, shap
     name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
     if name.lower() == table.lower():
         raise SpecError(f"relation {name!r} would replace the table it views (names are case-insensitive)")
+    for column in (*keys, *([] if value is None else [value])):
+        _column(column)
+    check_columns(db, table, keys + (() if value is None else (value,)))
     shape = key_shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
     if len(shape) != len(keys):
         raise ShapeError(f"relation {name!r}: {len(keys)} key columns but shape {shape}")
