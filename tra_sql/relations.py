@@ -55,8 +55,9 @@ def _column(name: str) -> exp.Expression:
 
 def check_columns(db: Session, table: str, columns: tuple[str, ...]) -> None:
     """``table`` exists and has ``columns`` (case-insensitive, as in SQL)."""
+    probe = exp.select("*").from_(exp.to_table(table)).limit(0)
     try:
-        found = db.engine.query(exp.select("*").from_(exp.to_table(table)).limit(0).sql(dialect=db.engine.dialect)).columns
+        found = db.engine.query(probe.sql(dialect=db.engine.dialect)).columns
     except db.engine.Error:
         raise UnknownTensorError(f"relation: no table or view named {table!r}") from None
     have = {c.lower() for c in found}
