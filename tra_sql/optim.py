@@ -142,7 +142,7 @@ class Adam(Optimizer):
 
     def __post_init__(self):
         super().__post_init__()
-        if len(self.betas) != 2:
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise SpecError(f"betas must be two numbers, got {self.betas!r}")
         for k, beta in enumerate(self.betas):
             _check(beta, f"betas[{k}]", below=1.0)

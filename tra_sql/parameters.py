@@ -51,9 +51,14 @@ def initial_value(shape: tuple[int, ...], init, rng: np.random.Generator, scale:
         if array.shape != tuple(shape):
             raise ShapeError(f"initial value has shape {array.shape}, expected {tuple(shape)}")
         return array
+    return INITIALIZERS[check_initializer(init)](rng, shape, scale, *_fans(shape))
+
+
+def check_initializer(init: str) -> str:
+    """``init``, if it names an initializer."""
     if init not in INITIALIZERS:
         raise SpecError(f"initializer {init!r} is not one of {', '.join(INITIALIZERS)}")
-    return INITIALIZERS[init](rng, shape, scale, *_fans(shape))
+    return init
 
 
 def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed: int = 0, dtype=None,
@@ -66,8 +71,8 @@ def parameter(db: Session, name: str, shape=None, init="glorot_uniform", *, seed
     replacing a stored one only once the draw succeeded."""
     if dtype is not None:
         dtype = catalog.check_dtype(dtype)
-    if isinstance(init, str) and init not in INITIALIZERS:
-        raise SpecError(f"initializer {init!r} is not one of {', '.join(INITIALIZERS)}")
+    if isinstance(init, str):
+        check_initializer(init)
     if shape is None and not isinstance(init, str) and not callable(init):
         shape = np.shape(init)
     if not replace and name.lower() in (t.lower() for t in db.tensors()):

@@ -62,6 +62,7 @@ def check_columns(db: Session, table: str, columns: tuple[str, ...]) -> None:
         raise UnknownTensorError(f"relation: no table or view named {table!r}") from None
     have = {c.lower() for c in found}
     for column in columns:
+        _column(column)  # a name at all
         if column.lower() not in have:
             raise SpecError(f"relation over {table!r}: no column {column!r} (it has {', '.join(found)})")
 
@@ -140,8 +141,6 @@ def relation_query(db: Session, table: str, keys, value: str | None = None, shap
     name = catalog.check_name(name or f"{table}_{'_'.join(keys)}")
     if name.lower() == table.lower():
         raise SpecError(f"relation {name!r} would replace the table it views (names are case-insensitive)")
-    for column in (*keys, *([] if value is None else [value])):
-        _column(column)
     check_columns(db, table, keys + (() if value is None else (value,)))
     shape = key_shape(db, table, keys) if shape is None else tuple(int(n) for n in shape)
     if len(shape) != len(keys):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import numbers
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -169,9 +170,10 @@ class Trainer:
             if p.name is None:
                 raise SpecError("parameters must be stored tensors (db.parameter or db.from_numpy)")
         self.names = [p.name for p in self.params]
-        repeated = sorted({n for n in self.names if [m.lower() for m in self.names].count(n.lower()) > 1})
-        if repeated:
-            raise SpecError(f"parameter {repeated[0]!r} is given more than once")
+        counts = Counter(n.lower() for n in self.names)
+        twice = next((n for n in self.names if counts[n.lower()] > 1), None)
+        if twice is not None:
+            raise SpecError(f"parameter {twice!r} is given more than once")
         self.created: list[str] = []  # the state tensors this trainer made (``discard`` drops them)
         self.claimed = False  # whether ``resume`` wrote the run's row
         try:

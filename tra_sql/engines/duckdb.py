@@ -114,10 +114,10 @@ class DuckDBEngine(Engine):
     def __repr__(self) -> str:
         try:
             path = self.con.execute("SELECT path FROM duckdb_databases() "
-                                    "WHERE database_name = current_database()").fetchone()[0]
-        except duckdb.Error:
-            path = None
-        return f"<tra_sql DuckDB database {path or ':memory:'}>"
+                                    "WHERE database_name = current_database()").fetchone()[0] or ":memory:"
+        except duckdb.Error:  # a connection that cannot answer now (closed, an aborted transaction)
+            path = "(unknown)"
+        return f"<tra_sql DuckDB database {path}>"
 
     def close(self) -> None:
         if self.native:
