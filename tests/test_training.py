@@ -402,6 +402,7 @@ def test_schedules_and_numpy_numbers_are_hyperparameters():
 def test_bad_training_arguments_are_spec_errors_that_leave_nothing(db, rng, options, message):
     loss, params, _ = _problem(db, rng)
     before = sorted(db.tensors())
+    options = dict(options)
     if options.pop("twice", False):
         params = params + ["w1"]  # the same tensor by name (names are case-insensitive)
     with pytest.raises(tra_sql.SpecError, match=message):
