@@ -111,7 +111,7 @@ def test_store_over_plain_table_refused(db, ab):
 def test_all_errors_are_tra_errors():
     for cls in (tra_sql.SpecError, tra_sql.ShapeError, tra_sql.DTypeError, tra_sql.UnknownTensorError,
                 tra_sql.CorruptTileError, tra_sql.TensorExistsError, tra_sql.ExecutionError,
-                tra_sql.SessionClosedError):
+                tra_sql.SessionClosedError, tra_sql.StaleTensorError):
         assert issubclass(cls, tra_sql.TraError)
 
 
@@ -128,6 +128,22 @@ def test_a_closed_session_and_its_tensors_say_so(tmp_path):
             use()
     with tra_sql.connect(str(tmp_path / "t.duckdb")) as again:  # the database itself is as it was
         np.testing.assert_array_equal(again.tensor("A").numpy(), np.ones((4, 3)))
+
+
+def test_a_handle_to_a_replaced_tensor_is_stale_not_misread(db):
+    """Replacing a tensor under its name with one of another dtype (same bytes per tile) made an
+    old handle read the new int64 tiles as float64: a wrong answer without an error."""
+    A = db.from_numpy("A", np.arange(16.0).reshape(4, 4), tile=(2, 2))
+    rows = db.einsum("ij->i", A)
+    db.from_numpy("A", np.arange(16).reshape(4, 4) * 7, tile=(2, 2), replace=True)
+    for use in (A.numpy, rows.numpy, A.arrow, lambda: rows.store("R"), lambda: rows.numpy(plan=db.plan(rows))):
+        with pytest.raises(tra_sql.StaleTensorError, match=r"tensor 'A' was replaced .* now int64 \(4, 4\) in tiles "
+                                                           r"of \(2, 2\) \(dense\), the handle's float64"):
+            use()
+    assert "R" not in db.tensors()
+    np.testing.assert_array_equal(db.tensor("A").numpy(), np.arange(16).reshape(4, 4) * 7)  # a new handle reads it
+    db.from_numpy("A", np.arange(16.0).reshape(4, 4) + 1, tile=(2, 2), replace=True)  # the same geometry: not stale
+    np.testing.assert_array_equal(rows.numpy(), (np.arange(16.0).reshape(4, 4) + 1).sum(axis=1))
 
 
 def test_operand_from_other_session(ab):

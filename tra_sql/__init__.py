@@ -19,6 +19,7 @@ from tra_sql.errors import (
     ShapeError,
     SpecError,
     SQLError,
+    StaleTensorError,
     TensorExistsError,
     TraError,
     UnknownTensorError,
@@ -30,7 +31,7 @@ LAZY = {"connect": "tra_sql.session", "Session": "tra_sql.session", "Tensor": "t
 __all__ = [
     "connect", "Session", "Tensor", "TraError", "SpecError", "ShapeError", "DTypeError",
     "UnknownTensorError", "TensorExistsError", "CorruptTileError", "CatalogDriftError", "ExecutionError", "SQLError",
-    "MemoryBudgetError", "SessionClosedError",
+    "MemoryBudgetError", "SessionClosedError", "StaleTensorError",
 ]
 __version__ = "0.1.0"
 

@@ -52,3 +52,8 @@ class SQLError(TraError, ValueError):
 
 class SessionClosedError(TraError):
     """A session (or a tensor of one) used after ``close()``."""
+
+
+class StaleTensorError(TraError):
+    """A tensor handle read after its stored tensor was replaced, under the same name, by one
+    of another shape, tile shape, dtype or layout (its tiles would be read as the old ones)."""

@@ -210,9 +210,30 @@ class Session:
             budget.check_program(self, program.root)
         return self.engine.run(program)
 
+    def check_current(self, tensor: Tensor) -> None:
+        """Every stored tensor ``tensor`` reads still has the shape, tiles, dtype and layout it
+        was read with (``StaleTensorError``): a handle made before its tensor was replaced
+        under the same name would read the new tiles as the old ones. Tables outside the
+        catalog are not checked."""
+        seen = set()
+        for node in graph.topological(tensor.node):
+            if not isinstance(node, graph.Source) or node.table.lower() in seen:
+                continue
+            seen.add(node.table.lower())
+            try:
+                info = self.engine.lookup(node.table)
+            except UnknownTensorError:
+                continue  # an internal or plain table; a dropped tensor fails where it is read
+            if (info.shape, info.tile, info.dtype, info.layout) != (node.shape, node.tile, node.dtype, node.layout):
+                raise errors.StaleTensorError(
+                    f"tensor '{info.name}' was replaced after this handle to it was made: it is now {info.dtype} "
+                    f"{info.shape} in tiles of {info.tile} ({info.layout}), the handle's {node.dtype} {node.shape} "
+                    f"in tiles of {node.tile} ({node.layout}); use db.tensor('{info.name}')")
+
     def fetch_arrow(self, tensor: Tensor, plan: Plan | None = None) -> pa.Table:
         """``tensor``'s tile relation, computed under ``plan`` (as written if None), in the
         tensor's tiling (a plan may compute it in another)."""
+        self.check_current(tensor)
         if plan is None:
             return self.run(tensor.program())
         root = plan.apply()
@@ -229,6 +250,7 @@ class Session:
 
     def store(self, tensor: Tensor, name: str, replace: bool = False, plan: Plan | None = None) -> Tensor:
         """Store ``tensor`` (computed under ``plan``, staged if it is) as tensor ``name``."""
+        self.check_current(tensor)
         if plan is not None:
             root = plan.apply()
             if plan.staged:
