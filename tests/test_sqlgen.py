@@ -260,8 +260,8 @@ def test_element_wise_steps_and_reductions_chain_too(db, rows):
 def test_a_tensor_compiles_and_renders_once_and_reads_its_tables_when_run(db, monkeypatch):
     """``numpy()`` again compiles and renders nothing (the DAG under a tensor never changes);
     the SQL reads the tables when it runs, so new values of the same geometry are used; a
-    table replaced by another tiling or dtype fails the old tensor as it did before (its
-    tiles' sizes are checked), and an einsum over the tensor as it is now compiles afresh."""
+    tensor replaced by another tiling or dtype makes the old handle stale (``StaleTensorError``
+    before anything runs), and an einsum over the tensor as it is now compiles afresh."""
     from tra_sql.compile.dialect import Dialect
     from tra_sql.compile.program import Program
 
@@ -292,7 +292,7 @@ def test_a_tensor_compiles_and_renders_once_and_reads_its_tables_when_run(db, mo
         np.testing.assert_allclose(C.numpy(), np.tanh(-a / 24) @ b)
     assert other != sql and C.program().sql(pretty=False) == sql and calls == {"compile": 2, "render": 2}
     db.from_numpy("A", a.astype(np.float32), tile=(4, 6), replace=True)
-    with pytest.raises(tra_sql.CorruptTileError, match="'A'"):
+    with pytest.raises(tra_sql.StaleTensorError, match="'A' was replaced"):
         C.numpy()
     D = db.einsum("ij,jk->ik", db.tensor("A"), B, join="tanh(x0 / 24) * x1")
     assert D.tile == (4, 5) and D.dtype == np.float64

@@ -220,9 +220,8 @@ class Session:
             if not isinstance(node, graph.Source) or node.table.lower() in seen:
                 continue
             seen.add(node.table.lower())
-            try:
-                info = self.engine.lookup(node.table)
-            except UnknownTensorError:
+            info = self.engine.catalog_row(node.table)
+            if info is None:
                 continue  # an internal or plain table; a dropped tensor fails where it is read
             if (info.shape, info.tile, info.dtype, info.layout) != (node.shape, node.tile, node.dtype, node.layout):
                 raise errors.StaleTensorError(

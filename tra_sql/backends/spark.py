@@ -372,6 +372,9 @@ class SparkEngine(Engine):
     def lookup(self, name: str) -> TensorInfo:
         return self.warehouse.lookup(name)
 
+    def catalog_row(self, name: str) -> TensorInfo | None:
+        return self.warehouse.entry(name)
+
     def tensors(self) -> list[str]:
         return self.warehouse.tensors()
 

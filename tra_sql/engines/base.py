@@ -116,6 +116,10 @@ class Engine(ABC):
         """The catalog row of tensor ``name`` (checked against its table)."""
 
     @abstractmethod
+    def catalog_row(self, name: str) -> TensorInfo | None:
+        """The catalog row of tensor ``name`` as stored (its table not read), if it has one."""
+
+    @abstractmethod
     def tensors(self) -> list[str]:
         """Names of all stored tensors."""
 

@@ -236,6 +236,9 @@ class DuckDBEngine(Engine):
     def lookup(self, name: str) -> TensorInfo:
         return duckdb_catalog.lookup(self.con, name)
 
+    def catalog_row(self, name: str) -> TensorInfo | None:
+        return duckdb_catalog.catalog_row(self.con, name)
+
     def tensors(self) -> list[str]:
         return duckdb_catalog.list_tensors(self.con)
 

@@ -74,6 +74,18 @@ def _row(con: duckdb.DuckDBPyConnection, name: str) -> tuple:
     return rows[0]
 
 
+def catalog_row(con: duckdb.DuckDBPyConnection, name: str) -> TensorInfo | None:
+    """Tensor ``name``'s catalog row as stored (unchecked; its table not read), if it has one
+    and it is readable."""
+    try:
+        stored, dtype, shape, tile, layout = _row(con, name)
+    except (UnknownTensorError, CatalogDriftError):
+        return None
+    if row_problem(dtype, shape, tile, layout):
+        return None
+    return TensorInfo(stored, np.dtype(dtype), tuple(shape), tuple(tile), layout)
+
+
 def _unreadable_catalog(err: duckdb.Error) -> str:
     return f"the catalog table {CATALOG_TABLE} cannot be read ({str(err).splitlines()[0]})"
 
