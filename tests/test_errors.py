@@ -52,6 +52,13 @@ def test_unsupported_dtype(db):
         db.from_numpy("Z", np.ones(3, dtype=np.complex128))
     with pytest.raises(tra_sql.DTypeError):
         db.from_numpy("S", np.array(["a", "b"]))
+    # not dtypes at all (NumPy reads the first as a record format and raises ValueError): found by
+    # test_fuzz_sql_statements, which put an einsum spec in tra_random's dtype
+    for name in ("ij,jk->ik", "nonsense"):
+        with pytest.raises(tra_sql.DTypeError, match=f"dtype '{name}' is not one of"):
+            db.full((2,), 1.0, dtype=name)
+        with pytest.raises(tra_sql.DTypeError, match=f"dtype '{name}' is not one of"):
+            db.sql(f"SELECT * FROM tra_random(shape => [2], dtype => '{name}')")
     assert db.tensors() == []
 
 

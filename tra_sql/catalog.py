@@ -26,7 +26,10 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def check_dtype(dtype) -> np.dtype:
     """The numpy dtype, if tra_sql can store it."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):  # not a dtype at all ('ij,jk->ik' reads as a record format)
+        raise DTypeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}") from None
     if dt.name not in DTYPES:
         raise DTypeError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
     return dt

@@ -93,7 +93,7 @@ def dtype_named(name: str) -> np.dtype:
     """The dtype named ``name`` (``DTypeError`` for a name NumPy does not know, too)."""
     try:
         dtype = np.dtype(name)
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a comma-separated record format, 'ij,jk->ik'
         raise DTypeError(f"dtype {name!r} is not one of {', '.join(SQL_TYPES)}") from None
     return catalog.check_dtype(dtype)
 
