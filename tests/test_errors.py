@@ -143,7 +143,9 @@ def test_a_handle_to_a_replaced_tensor_is_stale_not_misread(db):
     A = db.from_numpy("A", np.arange(16.0).reshape(4, 4), tile=(2, 2))
     rows = db.einsum("ij->i", A)
     db.from_numpy("A", np.arange(16).reshape(4, 4) * 7, tile=(2, 2), replace=True)
-    for use in (A.numpy, rows.numpy, A.arrow, lambda: rows.store("R"), lambda: rows.numpy(plan=db.plan(rows))):
+    mixed = db.einsum("ij,ij->i", db.tensor("A"), A)  # the new handle first: the stale one is still seen
+    for use in (A.numpy, rows.numpy, A.arrow, lambda: rows.store("R"), lambda: rows.numpy(plan=db.plan(rows)),
+                mixed.numpy):
         with pytest.raises(tra_sql.StaleTensorError, match=r"tensor 'A' was replaced .* now int64 \(4, 4\) in tiles "
                                                            r"of \(2, 2\) \(dense\), the handle's float64"):
             use()

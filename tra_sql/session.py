@@ -215,12 +215,13 @@ class Session:
         was read with (``StaleTensorError``): a handle made before its tensor was replaced
         under the same name would read the new tiles as the old ones. Tables outside the
         catalog are not checked."""
-        seen = set()
+        rows: dict[str, TensorInfo | None] = {}  # by table: a stale and a new handle may both be read
         for node in graph.topological(tensor.node):
-            if not isinstance(node, graph.Source) or node.table.lower() in seen:
+            if not isinstance(node, graph.Source):
                 continue
-            seen.add(node.table.lower())
-            info = self.engine.catalog_row(node.table)
+            if node.table.lower() not in rows:
+                rows[node.table.lower()] = self.engine.catalog_row(node.table)
+            info = rows[node.table.lower()]
             if info is None:
                 continue  # an internal or plain table; a dropped tensor fails where it is read
             if (info.shape, info.tile, info.dtype, info.layout) != (node.shape, node.tile, node.dtype, node.layout):
