@@ -20,7 +20,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
-from tra_sql.backends import spark_jobs, spark_sql, transfer  # noqa: E402
+from tra_sql.backends import spark_jobs, spark_pipeline, spark_sql, transfer  # noqa: E402
 from tra_sql.backends.spark import CODEGEN_CACHE, ONE_JOB, TILE_COPIES  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
@@ -521,17 +521,19 @@ def numpy_gradient(x, y, w, b):
 def test_a_training_step_compiles_its_classes_once(sdb):
     """Spark keeps a step's generated classes (``spark.CODEGEN_CACHE``; its default of 100
     evicted the GCN step's ~340 before the next step asked for them, and this step's first run
-    compiles ~120): the steps after the first compile none, and give numpy's gradient steps.
-    Programs run without whole-stage code generation (set for the block only)."""
+    compiles ~120): once a run's first step (planned over the tables) and second (planned while
+    the first ran, over its result: ``spark_pipeline``) have compiled theirs, later steps of
+    either kind compile none, and give numpy's gradient steps. Programs run without
+    whole-stage code generation (set for the block only)."""
     spark = sdb.engine.spark
     assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == str(CODEGEN_CACHE)
     loss, params, (x, y, w) = logistic_regression(sdb)
     first = spark_jobs.compiled(spark)
-    sdb.train(loss, params, SGD(lr=0.5), 1, run="codegen", progress=False)
-    assert spark_jobs.compiled(spark) > first  # the first step compiles what it needs ...
+    sdb.train(loss, params, SGD(lr=0.5), 2, run="codegen", progress=False)
+    assert spark_jobs.compiled(spark) > first  # the first steps compile what they need ...
     w, b = params[0].numpy(), params[1].numpy()
     before = spark_jobs.compiled(spark)
-    sdb.train(loss, params, SGD(lr=0.5), 3, run="codegen", progress=False)
+    sdb.train(loss, params, SGD(lr=0.5), 4, run="codegen", progress=False)
     assert spark_jobs.compiled(spark) == before  # ... and the next two reuse it
     for _ in range(2):
         _, gw, gb = numpy_gradient(x, y, w, b)
@@ -612,6 +614,79 @@ def test_a_training_step_is_one_spark_job(sdb):
         assert sdb.train(loss, params, Adam(lr=0.1), 3, run="jobs", progress=False).steps == 3
     assert own.count > 1 and sdb.engine.program_settings == ONE_JOB
     assert [spark.conf.get(k) for k in ("spark.sql.adaptive.enabled", "spark.sql.shuffle.partitions")] == ["true", "2"]
+
+
+def sgd_steps(x, y, w, b, rates):
+    """numpy's SGD steps at learning rates ``rates`` (features ``x`` or, per step, a list)."""
+    for step, lr in enumerate(rates):
+        _, gw, gb = numpy_gradient(x[step] if isinstance(x, list) else x, y, w, b)
+        w, b = w - lr * gw, b - lr * gb
+    return w, b
+
+
+def temporary_views(spark) -> list[str]:
+    return [t.name for t in spark.catalog.listTables() if t.isTemporary]
+
+
+def test_steps_are_planned_while_the_step_before_runs(sdb, monkeypatch):
+    """Each step after a run's first is planned while the step before runs, reading that step's
+    kept result (``spark_pipeline``), unless it is stale by the time it runs: a learning rate
+    changed in ``on_epoch`` (other scalars to bind) or a table written there (features
+    replaced) has the step planned again, which follows numpy on the new rate and features.
+    A run leaves no view behind and its settings are put back."""
+    taken = []
+    take = spark_pipeline.Pipeline.take
+
+    def recorded(self, key, args):
+        prepared = take(self, key, args)
+        taken.append((key[1], prepared is not None))
+        return prepared
+
+    monkeypatch.setattr(spark_pipeline.Pipeline, "take", recorded)
+    spark = sdb.engine.spark
+    views = temporary_views(spark)
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    x2 = np.random.default_rng(8).standard_normal(x.shape)
+    optimizer = SGD(lr=0.5)
+
+    def on_epoch(epoch, _):
+        if epoch == 1:
+            optimizer.lr = 0.25
+        if epoch == 3:
+            sdb.from_numpy("lX", x2, tile=(16, 8), replace=True)
+
+    sdb.train(loss, params, optimizer, 6, run="ahead", progress=False, on_epoch=on_epoch)
+    assert taken == [(1, False), (2, True), (3, False), (4, True), (5, False), (6, True)]
+    want_w, want_b = sgd_steps([x] * 4 + [x2] * 2, y, w, np.zeros(3), [0.5] * 2 + [0.25] * 4)
+    np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), want_b, rtol=1e-10, atol=1e-14)
+    assert temporary_views(spark) == views and spark.conf.get("spark.sql.adaptive.enabled") == "true"
+
+
+def test_a_step_planned_ahead_whose_input_is_lost_runs_again_over_the_tables(sdb, monkeypatch):
+    """If the kept result a step planned ahead reads is lost (its blocks freed here, as the
+    loss of the executor holding them would), the step's job fails; the step is planned again
+    over the tables the step before published, and runs: numpy's steps, nothing left behind."""
+    lost = []
+    take = spark_pipeline.Pipeline.take
+
+    def losing(self, key, args):
+        prepared = take(self, key, args)
+        if prepared is not None and key[1] == 3:
+            self.previous.result.unpersist(True)
+            lost.append(key)
+        return prepared
+
+    monkeypatch.setattr(spark_pipeline.Pipeline, "take", losing)
+    spark = sdb.engine.spark
+    views = temporary_views(spark)
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    history = sdb.train(loss, params, SGD(lr=0.5), 4, run="lost", progress=False)
+    assert lost == [(0, 3)] and history.steps == 4
+    want_w, want_b = sgd_steps(x, y, w, np.zeros(3), [0.5] * 4)
+    np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), want_b, rtol=1e-10, atol=1e-14)
+    assert temporary_views(spark) == views
 
 
 def test_steps_read_once_are_subqueries_of_their_reader(sdb, monkeypatch):

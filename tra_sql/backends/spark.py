@@ -168,6 +168,33 @@ def call_site(spark, text: str):
             sc.setLocalProperty(key, value)
 
 
+class Prepared:
+    """A planned program (``SparkEngine.prepare``): its final query's ``frame``, valid until
+    ``close`` drops its ``views`` and frees its ``checkpoints``; with a kept ``result`` (the
+    frame's own checkpoint), readable until ``release``."""
+
+    def __init__(self, engine: SparkEngine):
+        self.engine = engine
+        self.frame = None
+        self.views: list[str] = []
+        self.checkpoints: list = []  # the views' local checkpoints (JVM RDDs)
+        self.result = None  # the final frame's local checkpoint (a JVM RDD), if kept
+
+    def close(self) -> None:
+        """Drop the views and free their checkpoints' blocks (the kept result stays)."""
+        for name in self.views:
+            self.engine.drop_view(name)
+        for rdd in self.checkpoints:
+            rdd.unpersist(False)
+        self.views, self.checkpoints = [], []
+
+    def release(self) -> None:
+        """Free the kept result's blocks."""
+        if self.result is not None:
+            self.result.unpersist(False)
+            self.result = None
+
+
 class SparkEngine(Engine):
     """Tensor relations in a Spark warehouse; programs run as Spark SQL. ``connect(engine=
     "spark", ...)`` opens one (``open``). Relations are copies (tensor tables); what Spark
@@ -250,22 +277,25 @@ class SparkEngine(Engine):
     @contextmanager
     def steps(self, steps: Steps, what: str, args: dict[str, bytes] | None = None):
         """The (lazy) DataFrame of ``steps``' final query (its named parameters bound to
-        ``args``), while their views exist: each a
-        temporary view; one read more than once is a lazy local checkpoint (computed once,
-        when first read, and kept by the executors, on disk if it is ``big``: in their heaps a
-        checkpoint takes the memory the tasks need; a cached plan would instead carry its
-        whole lineage into every plan that reads it). An action on it inside the block is
-        one Spark job (``program_settings``: the checkpoints are computed inside it), its Arrow
-        batches a task's tile budget (``BATCH_BYTES``). On exit the views are dropped, the
-        checkpoints' blocks freed and the settings put back."""
-        self.ensure_kernels(steps.kernels)
+        ``args``; its input views over their tables) while its views exist (``prepare``). An
+        action on it inside the block is one Spark job (``program_settings``: the checkpoints
+        are computed inside it), its Arrow batches a task's tile budget (``BATCH_BYTES``). On
+        exit the views are dropped, the checkpoints' blocks freed and the settings put back."""
+        with settings(self.spark, self.step_settings(steps)), call_site(self.spark, f"tra_sql: {what}"):
+            prepared = self.prepare(steps, what, args)
+            try:
+                yield prepared.frame
+            finally:
+                prepared.close()
+
+    def step_settings(self, steps: Steps) -> dict[str, str]:
+        """The SQL settings ``steps`` run under (``query_settings``, and without adaptive
+        execution the shuffle partitions its data need)."""
         values = self.query_settings()
         adaptive = values.get("spark.sql.adaptive.enabled", self.spark.conf.get("spark.sql.adaptive.enabled"))
         if adaptive == "false" and steps.nbytes and PARTITIONS not in values:
             values[PARTITIONS] = str(self.shuffle_partitions(steps.nbytes))
-        with settings(self.spark, values), call_site(self.spark, f"tra_sql: {what}"), \
-                self._views(steps, what, args) as final:
-            yield final
+        return values
 
     def query_settings(self) -> dict[str, str]:
         """The SQL settings a program's or a relation's query runs under: ``program_settings``
@@ -281,29 +311,43 @@ class SparkEngine(Engine):
         advisory = jvm_bytes(self.spark.conf.get("spark.sql.adaptive.advisoryPartitionSizeInBytes", "64m"))
         return max(1, min(int(self.spark.conf.get(PARTITIONS)), math.ceil(nbytes / advisory)))
 
-    @contextmanager
-    def _views(self, steps: Steps, what: str, args: dict[str, bytes] | None):
+    def prepare(self, steps: Steps, what: str, args: dict[str, bytes] | None = None, inputs: dict | None = None,
+                keep=None) -> Prepared:
+        """Plan ``steps`` under the session's settings as they are (``step_settings`` is the
+        caller's to set): each input view over the DataFrame ``inputs`` gives for its table
+        (lower-case name), else over the table; each view a temporary view, one read more than
+        once a lazy local checkpoint (computed once, when first read, and kept by the
+        executors, on disk if it is ``big``: in their heaps a checkpoint takes the memory the
+        tasks need; a cached plan would instead carry its whole lineage into every plan that
+        reads it); the final query's DataFrame, a lazy local checkpoint too at storage level
+        ``keep`` if one is given (its rows are then read again after the action that computes
+        them, until ``Prepared.release``)."""
         from pyspark import StorageLevel
 
-        checkpoints = []
+        self.ensure_kernels(steps.kernels)
+        prepared = Prepared(self)
         try:
-            try:
-                for name, sql, reads in steps.views:
-                    frame = self.spark.sql(sql, args=args)
-                    if reads > 1:
-                        kept = StorageLevel.DISK_ONLY if name in steps.big else None
-                        frame = frame.localCheckpoint(eager=False, storageLevel=kept)
-                        checkpoints.append(frame._jdf.queryExecution().logical().rdd())
-                    frame.createOrReplaceTempView(name)
-                final = self.spark.sql(steps.final, args=args)
-            except Exception as err:
-                raise spark_udfs.translate(err, f"planning {what}") from None
-            yield final
-        finally:
-            for name, _, _ in steps.views:
-                self.drop_view(name)
-            for rdd in checkpoints:
-                rdd.unpersist(False)
+            for table, view in steps.inputs.items():
+                frame = (inputs or {}).get(table)
+                (self.spark.table(quote(table)) if frame is None else frame).createOrReplaceTempView(view)
+                prepared.views.append(view)
+            for name, sql, reads in steps.views:
+                frame = self.spark.sql(sql, args=args)
+                if reads > 1:
+                    kept = StorageLevel.DISK_ONLY if name in steps.big else None
+                    frame = frame.localCheckpoint(eager=False, storageLevel=kept)
+                    prepared.checkpoints.append(frame._jdf.queryExecution().logical().rdd())
+                frame.createOrReplaceTempView(name)
+                prepared.views.append(name)
+            prepared.frame = self.spark.sql(steps.final, args=args)
+            if keep is not None:
+                prepared.frame = prepared.frame.localCheckpoint(eager=False, storageLevel=keep)
+                prepared.result = prepared.frame._jdf.queryExecution().logical().rdd()
+        except Exception as err:
+            prepared.close()
+            prepared.release()
+            raise spark_udfs.translate(err, f"planning {what}") from None
+        return prepared
 
     def drop_view(self, name: str) -> None:
         """Drop temporary view ``name`` from the session's catalog. ``spark.catalog.dropTempView``

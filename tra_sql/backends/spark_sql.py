@@ -31,7 +31,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from math import ceil, prod
 
 import numpy as np
@@ -102,10 +102,26 @@ class Steps:
     big: frozenset[str] = frozenset()
     #: the scalar relations read as query parameters (``spark_parameters``): bind their tiles
     parameters: frozenset[str] = frozenset()
+    #: stored tables read through a temporary view of their own, by lower-case name: the session
+    #: defines each view over the table, or over another relation of its rows (``SparkEngine.prepare``)
+    inputs: dict[str, str] = field(default_factory=dict)
+    prefix: str = ""  # how the names of the views begin
 
     def text(self) -> str:
         """All of it as one script, for reading."""
         return "".join(f"CREATE TEMPORARY VIEW {name} AS {sql};\n" for name, sql, _ in self.views) + self.final
+
+    def renamed(self) -> Steps:
+        """The same steps with views of other names (a new ``prefix``): two runs of them can be
+        planned at once."""
+        prefix = _prefix()
+
+        def new(text: str) -> str:
+            return text.replace(self.prefix, prefix)
+
+        return replace(self, views=[(new(name), new(sql), reads) for name, sql, reads in self.views],
+                       final=new(self.final), big=frozenset(map(new, self.big)),
+                       inputs={table: new(view) for table, view in self.inputs.items()}, prefix=prefix)
 
 
 class SparkDialect(Dialect):
@@ -156,43 +172,52 @@ class SparkDialect(Dialect):
         return self._steps(query, lambda body: exp.select(*keys, "tile").from_(body.subquery("r")))
 
     def union_steps(self, program: Program, results: dict, complete: Callable[[Node], bool] | None = None,
-                    scalars: frozenset[str] = frozenset()) -> Steps:
+                    scalars: frozenset[str] = frozenset(), inputs: frozenset[str] = frozenset()) -> Steps:
         """``Program.union_query(results)`` as steps: the final query returns the rows
         ``target, k0, ..., tile`` (INT keys) of several results. With ``complete`` (which nodes
         have every tile: ``absent.Completeness``), row-wise results that share relations are
         computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
         tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
-        are read as query parameters where they can be (``spark_parameters``)."""
+        are read as query parameters where they can be (``spark_parameters``); the stored tables
+        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``)."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         parameters = scalar_parameters(query, scalars)
-        steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes)
+        steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes,
+                            inputs)
         steps.nbytes, steps.parameters = largest(program), frozenset(parameters)
         return steps
 
-    def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None) -> Steps:
+    def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None,
+               inputs: frozenset[str] = frozenset()) -> Steps:
         """``query``'s CTEs read more than once as views named uniquely (the same program may
         run twice at once), the others subqueries of their readers (``_inline``; as are steps
         that call no kernel, wherever they are read), the relations that ``sizes`` (bytes by
         name) says are small not shuffled (``hint``). A view replicated into a join counts as
         read twice: the session keeps it (a local checkpoint), else each task of the join would
-        compute it again, and its inputs."""
+        compute it again, and its inputs. The stored tables named in ``inputs`` are read through
+        views named uniquely too (``Steps.inputs``)."""
         key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
         ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
         body = query.copy()
         body.set(key, None)
-        prefix = f"_tra_{uuid.uuid4().hex[:12]}"
+        prefix = _prefix()
         names = {name: f"{prefix}{name}" for name, _ in ctes}
+        views = {table: f"{prefix}in_{table}" for table in inputs}
         replicated: set[str] = set()
 
         def renamed(select: exp.Expression, name: str | None = None) -> exp.Expression:
             select = self.hint(_literal_fills(select.copy()), sizes or {}, name, replicated)
             for table in select.find_all(exp.Table):
-                if table.name in names and not table.db:
+                if table.db:
+                    continue
+                if table.name in names:
                     table.set("this", exp.to_identifier(names[table.name], quoted=True))
+                elif table.name.lower() in views:
+                    table.set("this", exp.to_identifier(views[table.name.lower()], quoted=True))
             return select
 
         parts = [renamed(select, name) for name, select in ctes] + [renamed(finish(body))]
@@ -202,9 +227,10 @@ class SparkDialect(Dialect):
         _inline(parts, names, inlined)
         kept = [(name, part) for (name, _), part in zip(ctes, parts) if names[name] not in inlined]
         rendered = [self.render(part) for part in [part for _, part in kept] + parts[-1:]]
-        views = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
+        steps = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
         big = frozenset(names[name] for name, _ in kept if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
-        return Steps(views, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big)
+        return Steps(steps, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big,
+                     inputs=views, prefix=prefix)
 
     def hint(self, query: exp.Expression, sizes: dict[str, int], name: str | None,
              replicated: set[str]) -> exp.Expression:
@@ -239,6 +265,11 @@ class SparkDialect(Dialect):
         if name is not None and small(name) and isinstance(query, exp.Select):
             _coalesced(query)
         return query
+
+
+def _prefix() -> str:
+    """A unique beginning of views' names (the same program may run twice at once)."""
+    return f"_tra_{uuid.uuid4().hex[:12]}"
 
 
 def _inline(parts: list[exp.Expression], names: dict[str, str], inlined: set[str]) -> None:

@@ -18,9 +18,11 @@ at all, as in DuckDB's transaction.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +31,9 @@ import pyarrow.parquet as pq
 from tra_sql import graph
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
+from tra_sql.backends.spark import call_site, settings
 from tra_sql.backends.spark_parameters import marker
+from tra_sql.backends.spark_pipeline import Pipeline, discard
 from tra_sql.backends.spark_sql import Steps
 from tra_sql.backends.warehouse import columns, write_parquet
 from tra_sql.compile.program import Program
@@ -62,12 +66,18 @@ def history(db, run: str) -> core.History:
 
 
 class SparkTrainer(core.Trainer):
-    """``core.Trainer`` whose staged results, scalars and commits live in the warehouse."""
+    """``core.Trainer`` whose staged results, scalars and commits live in the warehouse; with
+    ``pipelined``, each step after the first is planned while the one before runs
+    (``spark_pipeline``), up to step ``last``."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, pipelined: bool = False, last: int = 0):
         super().__init__(*args)
-        self.queries: dict[int, Steps] = {}
+        self.queries: dict[tuple[int, int], Steps] = {}  # by batch and copy (``compiled``)
+        self.reads: dict[int, set[str]] = {}  # the stored tables each batch's step reads (lower-case)
         self.kept: set[str] = set()  # the training data this run keeps in the executors
+        self.pipelined, self.last = pipelined, last
+        self.pipeline: Pipeline | None = None  # made by the first step, if pipelined
+        self.running = ExitStack()  # a pipelined run's settings, held while it runs
 
     def staging(self, batch: int):
         return self.db.engine.warehouse.root / "_staging" / self.prefix(batch)
@@ -96,41 +106,123 @@ class SparkTrainer(core.Trainer):
             self.kept |= engine.keep_tables(data)
 
     def release(self) -> None:
-        """Stop keeping the training data in the executors."""
+        """Stop keeping the training data in the executors, and end a pipelined run."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        self.running.close()
         self.db.engine.release_tables(self.kept)
         self.kept.clear()
 
-    def set_scalars(self, step: int, steps: Steps | None = None) -> dict[str, bytes]:
-        """Step ``step``'s scalars: the tiles of those ``steps`` reads as query parameters
-        (``spark_parameters``), by parameter; the others are written to their tables."""
-        args = {}
+    def bind_scalars(self, step: int, batch: int) -> dict[str, bytes]:
+        """Step ``step``'s scalars that batch ``batch``'s step reads: the tiles of those it reads as
+        query parameters (``spark_parameters``), by parameter; the others are written to their
+        tables."""
+        steps, args = self.compiled(batch), {}
         for key, value in self.optimizer.scalars(step).items():
             for dtype, tensors in self.scalars.items():
                 name = tensors[key].name
-                if steps is not None and name.lower() in steps.parameters:
+                if name.lower() in steps.parameters:
                     args[marker(name)] = np.array(value, dtype=dtype).tobytes()
-                else:
+                elif name.lower() in self.reads[batch]:
                     self.db.from_numpy(name, np.array(value, dtype=dtype), replace=True)
         return args
 
-    def step(self, batch: int, step: int) -> float:
-        p = self.plan(batch)
-        if batch not in self.queries:
+    def compiled(self, batch: int, copy: int = 0) -> Steps:
+        """Batch ``batch``'s step as Spark steps that read the results of the step before (its
+        parameters and state) through input views (``Steps.inputs``). Two copies, 0 and 1,
+        whose views are named apart: a pipelined run plans one step while the other runs."""
+        if copy and (batch, copy) not in self.queries:
+            self.queries[batch, copy] = self.compiled(batch).renamed()
+        if (batch, copy) not in self.queries:
+            p = self.plan(batch)
             program = Program.compile(*p.nodes.values())
-            self.queries[batch] = self.db.engine.sql_dialect().union_steps(
-                program, p.nodes, self.db.engine.completeness(), self.scalar_relations())
+            read = self.reads[batch] = {n.table.lower() for root in p.nodes.values()
+                                        for n in graph.topological(root) if isinstance(n, Source)}
+            inputs = frozenset(target.lower() for target in p.nodes if target != "loss") & read
+            self.queries[batch, copy] = self.db.engine.sql_dialect().union_steps(
+                program, p.nodes, self.db.engine.completeness(), self.scalar_relations(), inputs)
             self.keep_data(self.data(p.nodes.values(), set(p.tables)))
-        args = self.set_scalars(step, self.queries[batch])
+        return self.queries[batch, copy]
+
+    def step(self, batch: int, step: int) -> float:
+        if self.pipelined and self.pipeline is None:
+            self.start_pipeline()
+        steps = self.compiled(batch, step % 2 if self.pipeline is not None else 0)
+        args = self.bind_scalars(step, batch)
+        what = f"step {step} of run '{self.run}'"
+        if self.pipeline is None:
+            with self.db.engine.steps(steps, what, args) as frame:
+                self.write(batch, frame, what)
+        else:
+            self.pipelined_step(batch, step, steps, args, what)
+        loss = self.staging(batch) / "target=loss"
+        tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
+        return float(np.frombuffer(tiles[0], dtype=self.plans[batch].nodes["loss"].dtype)[0]) if tiles else 0.0
+
+    def start_pipeline(self) -> None:
+        """Start pipelining if no step reads a scalar from its table (a step planned ahead would
+        read its old value): every batch's steps compiled, the settings of the largest held
+        for the run (the thread that plans ahead and the jobs share the session's settings)."""
+        compiled = [self.compiled(batch, copy) for batch in range(self.batches) for copy in (0, 1)]
+        if any(not steps.parameters >= self.scalar_relations() & self.reads[batch]
+               for batch in range(self.batches) for steps in [self.compiled(batch)]):
+            self.pipelined = False
+            return
+        engine = self.db.engine
+        self.running.enter_context(settings(engine.spark, engine.step_settings(max(compiled, key=lambda s: s.nbytes))))
+        self.pipeline = Pipeline(engine)
+
+    def pipelined_step(self, batch: int, step: int, steps: Steps, args: dict, what: str) -> None:
+        """Run step ``step`` as planned ahead (else planned now, over the tables), its result
+        kept, while the next step is planned; if a step planned ahead fails, run it again
+        planned over the tables."""
+        from pyspark import StorageLevel
+
+        engine, pipeline, p = self.db.engine, self.pipeline, self.plans[batch]
+        small = sum(n.dtype.itemsize * math.prod(n.shape) for n in p.nodes.values()) <= engine.budget()[1]
+        keep = StorageLevel.MEMORY_AND_DISK if small else StorageLevel.DISK_ONLY
+        prepared = pipeline.take((batch, step), args)
+        ahead = prepared is not None
+        if not ahead:
+            with call_site(engine.spark, f"tra_sql: {what}"):
+                prepared = engine.prepare(steps, what, args, keep=keep)
+        if step < self.last:
+            following = (batch + 1) % self.batches
+            nxt = self.compiled(following, (step + 1) % 2)
+            targets = {table: (target, len(p.nodes[target].shape)) for target in p.nodes
+                       for table in nxt.inputs if table == target.lower()}
+            pipeline.plan((following, step + 1), nxt, f"step {step + 1} of run '{self.run}'",
+                          self.bind_scalars(step + 1, following), prepared, targets, keep)
+        try:
+            with call_site(engine.spark, f"tra_sql: {what}"):
+                self.write(batch, prepared.frame, what, translated=not ahead)
+        except BaseException as err:
+            pipeline.cancel()
+            discard(prepared)
+            if not ahead or not isinstance(err, Exception):
+                raise
+            with call_site(engine.spark, f"tra_sql: {what}"):
+                prepared = engine.prepare(steps, what, args, keep=keep)
+                try:
+                    self.write(batch, prepared.frame, what)
+                except BaseException:
+                    discard(prepared)
+                    raise
+        prepared.close()
+        pipeline.ran(prepared)
+
+    def write(self, batch: int, frame, what: str, translated: bool = True) -> None:
+        """Write the step's rows ``frame`` to batch ``batch``'s staging directory (Spark's
+        errors as ``TraError``s, if ``translated``)."""
         staging = self.staging(batch)
         shutil.rmtree(staging, ignore_errors=True)
-        with self.db.engine.steps(self.queries[batch], f"step {step} of run '{self.run}'", args) as frame:
-            try:
-                frame.write.partitionBy("target").parquet(str(staging))
-            except Exception as err:
-                raise spark_udfs.translate(err, f"step {step} of run '{self.run}'") from None
-        loss = staging / "target=loss"
-        tiles = pq.read_table(loss).column("tile").to_pylist() if loss.exists() else []
-        return float(np.frombuffer(tiles[0], dtype=p.nodes["loss"].dtype)[0]) if tiles else 0.0
+        try:
+            frame.write.partitionBy("target").parquet(str(staging))
+        except Exception as err:
+            if not translated:
+                raise
+            raise spark_udfs.translate(err, what) from None
 
     def resume(self) -> tuple[int, int, int, float]:
         for batch in range(self.batches):  # a commit a crash interrupted
@@ -163,7 +255,10 @@ class SparkTrainer(core.Trainer):
         written = staging / f".{JOURNAL}.tmp"
         written.write_text(json.dumps(entry))
         os.replace(written, staging / JOURNAL)
-        self.apply(entry, staging)
+        if self.pipeline is None:
+            self.apply(entry, staging)
+        else:
+            self.pipeline.commit(lambda: self.apply(entry, staging))
 
     def apply(self, entry: dict, staging) -> None:
         """Carry out a commit's journal ``entry`` (again, after a crash: every part is
@@ -187,7 +282,8 @@ def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run:
     """``tra_sql.train.train`` on a Spark session (same arguments, same resumable runs). The
     training data (the stored tables the steps read and do not write) stays in the executors
     while it runs (``SparkEngine.keep_tables``), as a Spark user caches a model's inputs."""
-    trainer = SparkTrainer(db, loss, params, optimizer, run, batches)
+    trainer = SparkTrainer(db, loss, params, optimizer, run, batches, pipelined=before_step is None,
+                           last=epochs * batches)
     try:
         return core.loop(trainer, epochs, before_step, on_epoch, progress)
     finally:

@@ -84,6 +84,9 @@ class Warehouse:
         #: the plain tables this session defined with a column list, by name (``_publish``)
         self.columns: dict[str, str] = {}
         self._session_catalog = None  # Spark's SessionCatalog and TableIdentifier class (``registered``)
+        #: how many times a table's files were replaced or dropped through this warehouse (a plan
+        #: made when it read n reads the files of then: ``spark_pipeline``)
+        self.generation = 0
         self.recover()
         self.attach_all()
 
@@ -219,6 +222,7 @@ class Warehouse:
         """Directory ``staging`` becomes directory ``name`` by two renames, the old one set
         aside first (see ``recover``)."""
         old = self.root / "_staging" / f"{uuid.uuid4().hex}.{name.lower()}.old"
+        self.generation += 1
         if self.path(name).exists():
             self.path(name).rename(old)
         staging.rename(self.path(name))
@@ -239,6 +243,7 @@ class Warehouse:
 
     def drop(self, name: str) -> None:
         """Drop table ``name``: its Spark table, its directory and its catalog row, if any."""
+        self.generation += 1
         self.spark.sql(f"DROP TABLE IF EXISTS {quote(name)}")
         self.columns.pop(name.lower(), None)
         self._catalog_file(name).unlink(missing_ok=True)
