@@ -663,6 +663,23 @@ def test_steps_are_planned_while_the_step_before_runs(sdb, monkeypatch):
     assert temporary_views(spark) == views and spark.conf.get("spark.sql.adaptive.enabled") == "true"
 
 
+def test_steps_whose_results_exceed_a_tasks_budget_are_not_planned_ahead(sdb, monkeypatch):
+    """A step's results bigger than a task's tile budget are not kept for the next step
+    (each of its input views would read them whole): its steps are planned one by one, over
+    the tables, and are numpy's."""
+    taken = []
+    take = spark_pipeline.Pipeline.take
+    monkeypatch.setattr(spark_pipeline.Pipeline, "take",
+                        lambda self, key, args: taken.append(key) or take(self, key, args))
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    monkeypatch.setattr(sdb.engine, "budget", lambda *args, **kwargs: (2, 100.0))  # lW alone: 192 bytes
+    sdb.train(loss, params, SGD(lr=0.5), 2, run="unpiped", progress=False)
+    assert taken == []
+    want_w, want_b = sgd_steps(x, y, w, np.zeros(3), [0.5] * 2)
+    np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(params[1].numpy(), want_b, rtol=1e-10, atol=1e-14)
+
+
 def test_a_step_planned_ahead_whose_input_is_lost_runs_again_over_the_tables(sdb, monkeypatch):
     """If the kept result a step planned ahead reads is lost (its blocks freed here, as the
     loss of the executor holding them would), the step's job fails; the step is planned again

@@ -47,3 +47,24 @@ def test_a_scalar_read_otherwise_stays_a_table():
     query = parse_one("SELECT f(x.tile, s.tile) FROM x JOIN s ON TRUE", read="spark")
     assert scalar_parameters(query, {"s"}) == {"s"}
     assert query.sql("spark") == "SELECT F(x.tile, :tra_s) FROM x"
+
+
+def test_the_results_of_the_step_before_are_read_through_input_views():
+    """The stored tables named as inputs (a step's parameters and optimizer state) are read
+    through views of the step's own (``Steps.inputs``), which ``text`` defines over the tables;
+    ``renamed`` gives every view, input or step, another name, and changes nothing else."""
+    with tra_sql.connect() as db:
+        program, results = adam_step(db)
+        inputs = frozenset({"w", "b", "r__m__w", "r__v__w"})
+        steps = SparkDialect(replicate=1 << 20).union_steps(program, results, None, SCALARS, inputs)
+    assert sorted(steps.inputs) == sorted(inputs)
+    body = "".join(sql for _, sql, _ in steps.views) + steps.final
+    for table, view in steps.inputs.items():
+        assert view.startswith(steps.prefix) and f"`{view}`" in body
+        assert f"CREATE TEMPORARY VIEW {view} AS SELECT * FROM {table};" in steps.text()
+    assert not re.search(r"`(W|b|r__m__W|r__v__W)`", body) and re.search(r"`r__m__b`", body)
+    other = steps.renamed()
+    assert other.prefix != steps.prefix and steps.prefix not in other.text()
+    assert other.text() == steps.text().replace(steps.prefix, other.prefix)
+    assert [reads for *_, reads in other.views] == [reads for *_, reads in steps.views]
+    assert other.big == {name.replace(steps.prefix, other.prefix) for name in steps.big}

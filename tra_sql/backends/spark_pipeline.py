@@ -76,9 +76,10 @@ class Pipeline:
 
             spark.sparkContext.setLocalProperty(GROUP, group)
             with call_site(spark, f"tra_sql: {what}"):
-                # the kept rows as a relation of no known size: the checkpoint's own DataFrame
-                # carries its plan's size estimate, which each step would multiply into the
-                # next one's (cross joins), growing without bound
+                # the kept rows as a relation of no known size (Spark's internal
+                # ``internalCreateDataFrame``): the checkpoint's own DataFrame carries its plan's
+                # size estimate, which each step would multiply into the next one's (cross
+                # joins): a number of ever more digits, whose products stalled the planner
                 rows = DataFrame(spark._jsparkSession.internalCreateDataFrame(
                     result.result, result.frame._jdf.schema(), False), spark)
                 inputs = {table: rows.where(F.col("target") == F.lit(target))

@@ -108,8 +108,10 @@ class Steps:
     prefix: str = ""  # how the names of the views begin
 
     def text(self) -> str:
-        """All of it as one script, for reading."""
-        return "".join(f"CREATE TEMPORARY VIEW {name} AS {sql};\n" for name, sql, _ in self.views) + self.final
+        """All of it as one script, for reading (the input views over their tables)."""
+        inputs = [(view, f"SELECT * FROM {table}") for table, view in self.inputs.items()]
+        return "".join(f"CREATE TEMPORARY VIEW {name} AS {sql};\n"
+                       for name, sql in inputs + [(name, sql) for name, sql, _ in self.views]) + self.final
 
     def renamed(self) -> Steps:
         """The same steps with views of other names (a new ``prefix``): two runs of them can be

@@ -12,7 +12,8 @@ rewrites the run row (table ``tra_runs``) and the log (``tra_run_log``), and rem
 staging directory with the journal. A crash before the journal leaves the step undone; after
 it, ``train`` with the same ``run`` finishes the commit (redoes what the journal lists:
 idempotent) before it resumes from the last committed step, so a step is applied whole or not
-at all, as in DuckDB's transaction.
+at all, as in DuckDB's transaction. ``train`` plans each step after a run's first while the step
+before runs (``spark_pipeline``), unless a ``before_step`` hook is given.
 """
 
 from __future__ import annotations
@@ -68,14 +69,14 @@ def history(db, run: str) -> core.History:
 class SparkTrainer(core.Trainer):
     """``core.Trainer`` whose staged results, scalars and commits live in the warehouse; with
     ``pipelined``, each step after the first is planned while the one before runs
-    (``spark_pipeline``), up to step ``last``."""
+    (``spark_pipeline``), up to the last of ``epochs``."""
 
-    def __init__(self, *args, pipelined: bool = False, last: int = 0):
+    def __init__(self, *args, pipelined: bool = False, epochs: int = 0):
         super().__init__(*args)
         self.queries: dict[tuple[int, int], Steps] = {}  # by batch and copy (``compiled``)
         self.reads: dict[int, set[str]] = {}  # the stored tables each batch's step reads (lower-case)
         self.kept: set[str] = set()  # the training data this run keeps in the executors
-        self.pipelined, self.last = pipelined, last
+        self.pipelined, self.epochs = pipelined, epochs
         self.pipeline: Pipeline | None = None  # made by the first step, if pipelined
         self.running = ExitStack()  # a pipelined run's settings, held while it runs
 
@@ -161,15 +162,18 @@ class SparkTrainer(core.Trainer):
         return float(np.frombuffer(tiles[0], dtype=self.plans[batch].nodes["loss"].dtype)[0]) if tiles else 0.0
 
     def start_pipeline(self) -> None:
-        """Start pipelining if no step reads a scalar from its table (a step planned ahead would
-        read its old value): every batch's steps compiled, the settings of the largest held
-        for the run (the thread that plans ahead and the jobs share the session's settings)."""
+        """Start pipelining unless a step reads a scalar from its table (a step planned ahead
+        would read its old value) or the step's results exceed a task's tile budget (each input
+        view of a step planned ahead reads the kept result whole): every batch's steps
+        compiled, the settings of the largest held for the run (the thread that plans ahead
+        and the jobs share the session's settings)."""
+        engine = self.db.engine
         compiled = [self.compiled(batch, copy) for batch in range(self.batches) for copy in (0, 1)]
-        if any(not steps.parameters >= self.scalar_relations() & self.reads[batch]
-               for batch in range(self.batches) for steps in [self.compiled(batch)]):
+        results = sum(n.dtype.itemsize * math.prod(n.shape) for n in self.plan(0).nodes.values())
+        if results > engine.budget()[1] or any(not self.compiled(batch).parameters >= self.scalar_relations()
+                                               & self.reads[batch] for batch in range(self.batches)):
             self.pipelined = False
             return
-        engine = self.db.engine
         self.running.enter_context(settings(engine.spark, engine.step_settings(max(compiled, key=lambda s: s.nbytes))))
         self.pipeline = Pipeline(engine)
 
@@ -180,14 +184,13 @@ class SparkTrainer(core.Trainer):
         from pyspark import StorageLevel
 
         engine, pipeline, p = self.db.engine, self.pipeline, self.plans[batch]
-        small = sum(n.dtype.itemsize * math.prod(n.shape) for n in p.nodes.values()) <= engine.budget()[1]
-        keep = StorageLevel.MEMORY_AND_DISK if small else StorageLevel.DISK_ONLY
+        keep = StorageLevel.MEMORY_AND_DISK
         prepared = pipeline.take((batch, step), args)
         ahead = prepared is not None
         if not ahead:
             with call_site(engine.spark, f"tra_sql: {what}"):
                 prepared = engine.prepare(steps, what, args, keep=keep)
-        if step < self.last:
+        if step < self.epochs * self.batches:
             following = (batch + 1) % self.batches
             nxt = self.compiled(following, (step + 1) % 2)
             targets = {table: (target, len(p.nodes[target].shape)) for target in p.nodes
@@ -283,7 +286,7 @@ def train(db, loss, params: Sequence, optimizer: Optimizer, epochs: int, *, run:
     training data (the stored tables the steps read and do not write) stays in the executors
     while it runs (``SparkEngine.keep_tables``), as a Spark user caches a model's inputs."""
     trainer = SparkTrainer(db, loss, params, optimizer, run, batches, pipelined=before_step is None,
-                           last=epochs * batches)
+                           epochs=epochs)
     try:
         return core.loop(trainer, epochs, before_step, on_epoch, progress)
     finally:
