@@ -663,6 +663,39 @@ def test_steps_are_planned_while_the_step_before_runs(sdb, monkeypatch):
     assert temporary_views(spark) == views and spark.conf.get("spark.sql.adaptive.enabled") == "true"
 
 
+def test_minibatch_steps_planned_ahead_equal_duckdb(sdb, duck, monkeypatch):
+    """With two batches each step is planned while the step before, of the other batch, runs
+    (reading its new weights and Adam's moments): three epochs give DuckDB's losses, weights
+    and moments."""
+    taken = []
+    take = spark_pipeline.Pipeline.take
+
+    def recorded(self, key, args):
+        prepared = take(self, key, args)
+        taken.append((*key, prepared is not None))
+        return prepared
+
+    monkeypatch.setattr(spark_pipeline.Pipeline, "take", recorded)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 3))
+    y = x @ np.array([1.0, -2.0, 0.5])
+    runs = []
+    for db in (sdb, duck):
+        xs = [db.from_numpy(f"mX{b}", x[b * 20:(b + 1) * 20], replace=True) for b in range(2)]
+        ys = [db.from_numpy(f"my{b}", y[b * 20:(b + 1) * 20], replace=True) for b in range(2)]
+        w = db.from_numpy("mw", np.zeros(3), replace=True)
+
+        def loss(batch, db=db, xs=xs, ys=ys, w=w):
+            pred = db.einsum("ni,i->n", xs[batch], w)
+            return db.einsum("n,n->", pred, ys[batch], join="(x0 - x1) * (x0 - x1) / 20")
+
+        runs.append(db.train(loss, [w], Adam(lr=0.1), 3, batches=2, run="mini", progress=False))
+    assert taken == [(0, 1, False), (1, 2, True), (0, 3, True), (1, 4, True), (0, 5, True), (1, 6, True)]
+    np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-12)
+    for name in ("mw", "mini__m__mw", "mini__v__mw"):
+        np.testing.assert_allclose(sdb.tensor(name).numpy(), duck.tensor(name).numpy(), rtol=1e-12, atol=1e-15)
+
+
 def test_steps_whose_results_exceed_a_tasks_budget_are_not_planned_ahead(sdb, monkeypatch):
     """A step's results bigger than a task's tile budget are not kept for the next step
     (each of its input views would read them whole): its steps are planned one by one, over

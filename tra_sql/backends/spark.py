@@ -25,6 +25,7 @@ from sqlglot import exp
 
 from tra_sql import errors
 from tra_sql.backends import spark_calibrate, spark_udfs
+from tra_sql.backends.spark_session import Prepared, call_site, settings
 from tra_sql.backends.spark_sql import GROUP_BYTES, SparkDialect, Steps
 from tra_sql.backends.spark_staged import SparkStages
 from tra_sql.backends.warehouse import ROW_GROUP_BYTES, Warehouse, quote, tile_schema, write_parquet
@@ -59,7 +60,6 @@ TILE_COPIES = 16
 ONE_JOB = {"spark.sql.adaptive.enabled": "false", "spark.sql.autoBroadcastJoinThreshold": "-1",
            "spark.sql.optimizer.runtime.bloomFilter.enabled": "false", "spark.sql.unionOutputPartitioning": "false"}
 PARTITIONS = "spark.sql.shuffle.partitions"
-CALL_SITE = ("callSite.short", "callSite.long")  # Spark's thread-local properties (``call_site``)
 #: Generated classes Spark keeps (``spark.sql.codegen.cache.maxEntries``, a static setting:
 #: the session's start): Spark compiles Java for each operator and expression of a query, and
 #: one GCN training step needs ~340 classes. Spark's default cache of 100 evicted them before
@@ -134,65 +134,6 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
     # from spark.pyspark.python, when the driver is a plain Python process.
     spark.sparkContext.pythonExec = os.environ.get("PYSPARK_PYTHON", settings["spark.pyspark.python"])
     return spark
-
-
-@contextmanager
-def settings(spark, values: dict[str, str]):
-    """The session's SQL settings ``values`` while the block runs (then as they were)."""
-    before = {k: spark.conf.get(k, None) for k in values}
-    for k, v in values.items():
-        spark.conf.set(k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                spark.conf.unset(k)
-            else:
-                spark.conf.set(k, v)
-
-
-@contextmanager
-def call_site(spark, text: str):
-    """``text`` as Spark's call site of the RDDs, queries and jobs that this thread makes inside
-    the block (the thread's own put back after it). Without one, Spark walks the JVM's stack
-    for each RDD it creates (``SparkContext.getCallSite``), hundreds per training step."""
-    sc = spark.sparkContext
-    before = {key: sc.getLocalProperty(key) for key in CALL_SITE}
-    for key in CALL_SITE:
-        sc.setLocalProperty(key, text)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            sc.setLocalProperty(key, value)
-
-
-class Prepared:
-    """A planned program (``SparkEngine.prepare``): its final query's ``frame``, valid until
-    ``close`` drops its ``views`` and frees its ``checkpoints``; with a kept ``result`` (the
-    frame's own checkpoint), readable until ``release``."""
-
-    def __init__(self, engine: SparkEngine):
-        self.engine = engine
-        self.frame = None
-        self.views: list[str] = []
-        self.checkpoints: list = []  # the views' local checkpoints (JVM RDDs)
-        self.result = None  # the final frame's local checkpoint (a JVM RDD), if kept
-
-    def close(self) -> None:
-        """Drop the views and free their checkpoints' blocks (the kept result stays)."""
-        for name in self.views:
-            self.engine.drop_view(name)
-        for rdd in self.checkpoints:
-            rdd.unpersist(False)
-        self.views, self.checkpoints = [], []
-
-    def release(self) -> None:
-        """Free the kept result's blocks."""
-        if self.result is not None:
-            self.result.unpersist(False)
-            self.result = None
 
 
 class SparkEngine(Engine):

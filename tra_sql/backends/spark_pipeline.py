@@ -22,8 +22,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tra_sql.backends.spark import Prepared, SparkEngine, call_site
+from tra_sql.backends.spark import SparkEngine
 from tra_sql.backends.spark_jobs import GROUP
+from tra_sql.backends.spark_session import Prepared, call_site
 from tra_sql.backends.spark_sql import Steps
 
 

@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 from tra_sql import graph
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
-from tra_sql.backends.spark import call_site, settings
 from tra_sql.backends.spark_parameters import marker
 from tra_sql.backends.spark_pipeline import Pipeline, discard
+from tra_sql.backends.spark_session import call_site, settings
 from tra_sql.backends.spark_sql import Steps
 from tra_sql.backends.warehouse import columns, write_parquet
 from tra_sql.compile.program import Program
