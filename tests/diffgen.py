@@ -52,10 +52,14 @@ def stepped(t, fused):  # tensor t's tiles computed as a training step computes 
         return db.engine.arrow(f'SELECT * FROM "{step.tables["out"]}"')
     return rows.drop_columns(["target"])
 
-def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark computes its roots (one job),
-    # with row-wise results read from t beside it (one step where t is complete: spark_siblings), each 2t: one
-    # scales t by a stored scalar that holds 0 while the step binds 2 as its parameter (spark_parameters)
+def spark_stepped(t, ahead=False):  # tensor t's tiles computed as a training step on Spark computes its roots
+    # (one job), with row-wise results read from t beside it (one step where t is complete: spark_siblings), each
+    # 2t: one scales t by a stored scalar that holds 0 while the step binds 2 as its parameter (spark_parameters);
+    # ahead: as a step planned while the step before runs (spark_pipeline), its stored inputs read through input
+    # views over the kept rows of a step before that copies them
     results, scalars, args = {"out": t.node}, frozenset(), {}
+    sources = {n.table.lower(): n for n in tra_sql.graph.topological(t.node)
+               if isinstance(n, tra_sql.graph.Source)} if ahead else {}
     if t.node.layout == "dense" and t.node.shape and t.node.dtype.kind == "f":
         s = "abcdefgh"[:len(t.node.shape)]
         scalar = db.from_numpy(f"_diff_scalar_{t.node.dtype}", np.array(0, t.node.dtype), replace=True)
@@ -63,11 +67,28 @@ def spark_stepped(t):  # tensor t's tiles computed as a training step on Spark c
         results |= {"twice": db.einsum(f"{s}->{s}", t, join="x0 * 2").node,
                     "sum": db.einsum(f"{s},{s}->{s}", t, t, join="x0 + x1").node,
                     "scaled": db.einsum(f"{s},->{s}", t, scalar, join="x0 * x1").node}
-    query = db.engine.sql_dialect().union_steps(compiled.Program.compile(*results.values()), results,
-                                                db.engine.completeness(), scalars)
-    assert query.parameters == scalars
-    with db.engine.steps(query, "a differential step", args) as frame:
-        rows = frame.toArrow()
+    dialect = db.engine.sql_dialect()
+    query = dialect.union_steps(compiled.Program.compile(*results.values()), results, db.engine.completeness(),
+                                scalars, frozenset(sources))
+    assert query.parameters == scalars and set(query.inputs) == set(sources)
+    before = inputs = None
+    if sources:
+        from pyspark import StorageLevel
+        from tra_sql.backends.spark_pipeline import discard, kept_inputs
+        from tra_sql.backends.spark_session import settings
+        copied = {n.table: n for n in sources.values()}
+        with settings(db.engine.spark, db.engine.query_settings()):
+            before = db.engine.prepare(dialect.union_steps(compiled.Program.compile(*copied.values()), copied),
+                                       "the step before", keep=StorageLevel.MEMORY_AND_DISK)
+            before.frame.count()  # computes and keeps its rows
+        inputs = kept_inputs(db.engine.spark, before,
+                             {n.table.lower(): (n.table, len(n.shape)) for n in copied.values()})
+    try:
+        with db.engine.steps(query, "a differential step", args, inputs) as frame:
+            rows = frame.toArrow()
+    finally:
+        if before is not None:
+            discard(before)
     def of(target):
         return rows.filter(pa.compute.equal(rows["target"], target)).drop_columns(["target"])
     out = of("out")

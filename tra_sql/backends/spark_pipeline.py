@@ -72,21 +72,9 @@ class Pipeline:
         group = spark.sparkContext.getLocalProperty(GROUP)
 
         def plan() -> Prepared:
-            from pyspark.sql import DataFrame
-            from pyspark.sql import functions as F
-
             spark.sparkContext.setLocalProperty(GROUP, group)
             with call_site(spark, f"tra_sql: {what}"):
-                # the kept rows as a relation of no known size (Spark's internal
-                # ``internalCreateDataFrame``): the checkpoint's own DataFrame carries its plan's
-                # size estimate, which each step would multiply into the next one's (cross
-                # joins): a number of ever more digits, whose products stalled the planner
-                rows = DataFrame(spark._jsparkSession.internalCreateDataFrame(
-                    result.result, result.frame._jdf.schema(), False), spark)
-                inputs = {table: rows.where(F.col("target") == F.lit(target))
-                          .select(*(f"k{d}" for d in range(rank)), "tile")
-                          for table, (target, rank) in targets.items()}
-                return self.engine.prepare(steps, what, args, inputs, keep)
+                return self.engine.prepare(steps, what, args, kept_inputs(spark, result, targets), keep)
 
         self.cancel()
         self.ahead = (Ahead(key, args, self.foreign), self.pool.submit(plan))
@@ -130,6 +118,22 @@ class Pipeline:
         self.cancel()
         self.ran(None)
         self.pool.shutdown()
+
+
+def kept_inputs(spark, result: Prepared, targets: dict[str, tuple[str, int]]) -> dict:
+    """Relations for input views (``SparkEngine.prepare``) over ``result``'s kept rows: for each
+    table, the rows ``k0, ..., tile`` of its target ``targets[table]`` (its name and rank)."""
+    from pyspark.sql import DataFrame
+    from pyspark.sql import functions as F
+
+    # the kept rows as a relation of no known size (Spark's internal ``internalCreateDataFrame``):
+    # the checkpoint's own DataFrame carries its plan's size estimate, which each step would
+    # multiply into the next one's (cross joins): a number of ever more digits, whose products
+    # stalled the planner
+    rows = DataFrame(spark._jsparkSession.internalCreateDataFrame(result.result, result.frame._jdf.schema(), False),
+                     spark)
+    return {table: rows.where(F.col("target") == F.lit(target)).select(*(f"k{d}" for d in range(rank)), "tile")
+            for table, (target, rank) in targets.items()}
 
 
 def discard(prepared: Prepared) -> None:
