@@ -408,3 +408,18 @@ def test_bad_training_arguments_are_spec_errors_that_leave_nothing(db, rng, opti
     with pytest.raises(tra_sql.SpecError, match=message):
         db.train(loss, params, SGD(lr=0.1), run="bad", progress=False, **options)
     assert sorted(db.tensors()) == before
+
+
+def test_training_through_a_stale_handle_is_an_error_and_changes_nothing(db):
+    """A parameter replaced under its name by a tensor of another dtype with the same bytes
+    per tile, after the handles and the loss were made, would be trained as if it were the old
+    one (its int64 tiles read as float64): ``train`` raises ``StaleTensorError`` before any
+    step, and leaves the new tensor and the runs as they were."""
+    x = db.from_numpy("sX", np.ones((4, 3)))
+    w = db.from_numpy("sW", np.zeros(3))
+    loss = db.einsum("ni,i->", x, w, join="(x0 * x1 - 1) * (x0 * x1 - 1)")
+    db.from_numpy("sW", np.arange(3), replace=True)  # int64: 8 bytes an element, as float64
+    with pytest.raises(tra_sql.StaleTensorError, match="'sW' was replaced"):
+        db.train(loss, [w], SGD(lr=0.1), 1, run="stale", progress=False)
+    np.testing.assert_array_equal(db.tensor("sW").numpy(), np.arange(3))
+    assert db.engine.con.execute("SELECT count(*) FROM tra_runs WHERE run = 'stale'").fetchall() == [(0,)]

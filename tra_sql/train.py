@@ -241,10 +241,13 @@ class Trainer:
     def verify(self, loss: Tensor) -> None:
         """Look up every stored tensor ``loss`` reads and every parameter by name, so that a
         table altered or corrupted since they were made raises its ``TraError`` now (a
-        duplicated weight tile would otherwise be trained twice)."""
+        duplicated weight tile would otherwise be trained twice), and check that the handles
+        are current (a tensor replaced since, ``StaleTensorError``)."""
         tables = {n.table for n in graph.topological(loss.node) if isinstance(n, Source)} | set(self.names)
         for table in sorted(tables):
             self.db.tensor(table)
+        for tensor in (loss, *self.params):
+            self.db.check_current(tensor)
 
     def prefix(self, batch: int) -> str:
         """How batch ``batch``'s staging tables begin."""
