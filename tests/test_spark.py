@@ -728,11 +728,23 @@ def test_a_step_planned_ahead_whose_input_is_lost_runs_again_over_the_tables(sdb
         return prepared
 
     monkeypatch.setattr(spark_pipeline.Pipeline, "take", losing)
+    planned = []  # (step, over the tables?) of each plan made
+    prepare = sdb.engine.prepare
+
+    def recorded(steps, what, args=None, inputs=None, keep=None):
+        if what.startswith("step "):
+            planned.append((int(what.split()[1]), inputs is None))
+        return prepare(steps, what, args, inputs, keep)
+
+    monkeypatch.setattr(sdb.engine, "prepare", recorded)
     spark = sdb.engine.spark
     views = temporary_views(spark)
     loss, params, (x, y, w) = logistic_regression(sdb)
     history = sdb.train(loss, params, SGD(lr=0.5), 4, run="lost", progress=False)
     assert lost == [(0, 3)] and history.steps == 4
+    # step 3's job failed: the plan of step 4 made beside it is dropped, step 3 planned again
+    # over the tables and run, step 4 planned then
+    assert planned == [(1, True), (2, False), (3, False), (4, False), (3, True), (4, True)]
     want_w, want_b = sgd_steps(x, y, w, np.zeros(3), [0.5] * 4)
     np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(params[1].numpy(), want_b, rtol=1e-10, atol=1e-14)
