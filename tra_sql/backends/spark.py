@@ -219,10 +219,10 @@ class SparkEngine(Engine):
     def steps(self, steps: Steps, what: str, args: dict[str, bytes] | None = None, inputs: dict | None = None):
         """The (lazy) DataFrame of ``steps``' final query (its named parameters bound to
         ``args``; its input views over ``inputs``' relations or their tables) while its views
-        exist (``prepare``). An
-        action on it inside the block is one Spark job (``program_settings``: the checkpoints
-        are computed inside it), its Arrow batches a task's tile budget (``BATCH_BYTES``). On
-        exit the views are dropped, the checkpoints' blocks freed and the settings put back."""
+        exist (``prepare``). An action on it inside the block is one Spark job
+        (``program_settings``: the checkpoints are computed inside it), its Arrow batches a
+        task's tile budget (``BATCH_BYTES``). On exit the views are dropped, the checkpoints'
+        blocks freed and the settings put back."""
         with settings(self.spark, self.step_settings(steps)), call_site(self.spark, f"tra_sql: {what}"):
             prepared = self.prepare(steps, what, args, inputs)
             try:
