@@ -74,7 +74,7 @@ def spark_stepped(t, ahead=False):  # tensor t's tiles computed as a training st
     before = inputs = None
     if sources:
         from pyspark import StorageLevel
-        from tra_sql.backends.spark_pipeline import discard, kept_inputs
+        from tra_sql.backends.spark_pipeline import kept_inputs
         from tra_sql.backends.spark_session import settings
         copied = {n.table: n for n in sources.values()}
         with settings(db.engine.spark, db.engine.query_settings()):
@@ -88,7 +88,7 @@ def spark_stepped(t, ahead=False):  # tensor t's tiles computed as a training st
             rows = frame.toArrow()
     finally:
         if before is not None:
-            discard(before)
+            before.discard()
     def of(target):
         return rows.filter(pa.compute.equal(rows["target"], target)).drop_columns(["target"])
     out = of("out")

@@ -286,8 +286,7 @@ class SparkEngine(Engine):
                 prepared.frame = prepared.frame.localCheckpoint(eager=False, storageLevel=keep)
                 prepared.result = prepared.frame._jdf.queryExecution().logical().rdd()
         except Exception as err:
-            prepared.close()
-            prepared.release()
+            prepared.discard()
             raise spark_udfs.translate(err, f"planning {what}") from None
         return prepared
 

@@ -28,7 +28,7 @@ from tra_sql.backends.spark_session import Prepared, call_site
 from tra_sql.backends.spark_sql import Steps
 
 
-@dataclass(frozen=True)
+@dataclass
 class Ahead:
     """What a step was planned for: its ``(batch, step)``, the ``args`` bound, and the
     warehouse's writes by others than the trainer (``Pipeline.foreign``) when it was planned."""
@@ -92,7 +92,7 @@ class Pipeline:
         except Exception:
             return None
         if ahead != Ahead(key, args, self.foreign):
-            discard(prepared)
+            prepared.discard()
             return None
         return prepared
 
@@ -102,7 +102,7 @@ class Pipeline:
             _, future = self.ahead
             self.ahead = None
             try:
-                discard(future.result())
+                future.result().discard()
             except Exception:  # its planning failed: nothing to discard
                 pass
 
@@ -135,8 +135,3 @@ def kept_inputs(spark, result: Prepared, targets: dict[str, tuple[str, int]]) ->
     return {table: rows.where(F.col("target") == F.lit(target)).select(*(f"k{d}" for d in range(rank)), "tile")
             for table, (target, rank) in targets.items()}
 
-
-def discard(prepared: Prepared) -> None:
-    """Drop ``prepared``'s views and free its checkpoints and kept result."""
-    prepared.close()
-    prepared.release()

@@ -67,3 +67,8 @@ class Prepared:
         if self.result is not None:
             self.result.unpersist(False)
             self.result = None
+
+    def discard(self) -> None:
+        """Drop the views and free every block: checkpoints and kept result."""
+        self.close()
+        self.release()

@@ -33,7 +33,7 @@ from tra_sql import graph
 from tra_sql import train as core
 from tra_sql.backends import spark_udfs
 from tra_sql.backends.spark_parameters import marker
-from tra_sql.backends.spark_pipeline import Pipeline, discard
+from tra_sql.backends.spark_pipeline import Pipeline
 from tra_sql.backends.spark_session import call_site, settings
 from tra_sql.backends.spark_sql import Steps
 from tra_sql.backends.warehouse import columns, write_parquet
@@ -170,8 +170,9 @@ class SparkTrainer(core.Trainer):
         engine = self.db.engine
         compiled = [self.compiled(batch, copy) for batch in range(self.batches) for copy in (0, 1)]
         results = sum(n.dtype.itemsize * math.prod(n.shape) for n in self.plan(0).nodes.values())
-        if results > engine.budget()[1] or any(not self.compiled(batch).parameters >= self.scalar_relations()
-                                               & self.reads[batch] for batch in range(self.batches)):
+        tabled = any(self.scalar_relations() & self.reads[batch] - self.compiled(batch).parameters
+                     for batch in range(self.batches))
+        if tabled or results > engine.budget()[1]:
             self.pipelined = False
             return
         self.running.enter_context(settings(engine.spark, engine.step_settings(max(compiled, key=lambda s: s.nbytes))))
@@ -185,32 +186,30 @@ class SparkTrainer(core.Trainer):
 
         engine, pipeline, p = self.db.engine, self.pipeline, self.plans[batch]
         keep = StorageLevel.MEMORY_AND_DISK
-        prepared = pipeline.take((batch, step), args)
-        ahead = prepared is not None
-        if not ahead:
-            with call_site(engine.spark, f"tra_sql: {what}"):
+        with call_site(engine.spark, f"tra_sql: {what}"):
+            prepared = pipeline.take((batch, step), args)
+            ahead = prepared is not None
+            if not ahead:
                 prepared = engine.prepare(steps, what, args, keep=keep)
-        if step < self.epochs * self.batches:
-            following = (batch + 1) % self.batches
-            nxt = self.compiled(following, (step + 1) % 2)
-            targets = {table: (target, len(p.nodes[target].shape)) for target in p.nodes
-                       for table in nxt.inputs if table == target.lower()}
-            pipeline.plan((following, step + 1), nxt, f"step {step + 1} of run '{self.run}'",
-                          self.bind_scalars(step + 1, following), prepared, targets, keep)
-        try:
-            with call_site(engine.spark, f"tra_sql: {what}"):
+            if step < self.epochs * self.batches:
+                following = (batch + 1) % self.batches
+                nxt = self.compiled(following, (step + 1) % 2)
+                targets = {target.lower(): (target, len(node.shape)) for target, node in p.nodes.items()
+                           if target.lower() in nxt.inputs}
+                pipeline.plan((following, step + 1), nxt, f"step {step + 1} of run '{self.run}'",
+                              self.bind_scalars(step + 1, following), prepared, targets, keep)
+            try:
                 self.write(batch, prepared.frame, what, translated=not ahead)
-        except BaseException as err:
-            pipeline.cancel()
-            discard(prepared)
-            if not ahead or not isinstance(err, Exception):
-                raise
-            with call_site(engine.spark, f"tra_sql: {what}"):
+            except BaseException as err:
+                pipeline.cancel()
+                prepared.discard()
+                if not ahead or not isinstance(err, Exception):
+                    raise
                 prepared = engine.prepare(steps, what, args, keep=keep)
                 try:
                     self.write(batch, prepared.frame, what)
                 except BaseException:
-                    discard(prepared)
+                    prepared.discard()
                     raise
         prepared.close()
         pipeline.ran(prepared)
