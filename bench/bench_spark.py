@@ -25,6 +25,13 @@ on 2026-12-05). MLlib has no autodiff, so it runs only the epoch's matrix produc
 peer a Spark user would write: the same GCN by hand on Spark DataFrames (``bench_spark_df``:
 long-format joins and sums, the backward pass by hand, Adam on the driver), checked against
 tra_sql's losses and weights. Spark jobs are counted per epoch (one training step) for both.
+
+The peers (MLlib, the DataFrames GCN) run in a Spark application of their own, after tra_sql's,
+whose executors run under Spark's own Java options; tra_sql's run under the options tra_sql
+starts its JVMs with (``spark.JAVA_OPTIONS``: C1 compilation only; MLlib's JVM BLAS needs C2's
+vector intrinsics). The driver's JVM is this process's one, started by its first application:
+``--java-defaults`` runs tra_sql under Spark's own options too (an A/B of those options; the
+peers' driver then has Spark's own too).
 """
 
 from __future__ import annotations
@@ -47,6 +54,22 @@ from tra_sql.backends import spark_jobs, transfer  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 
 SEED = 11
+#: Spark's own Java options (no ``spark.JAVA_OPTIONS``), for the peers' application
+SPARK_JAVA = {"spark.driver.extraJavaOptions": "", "spark.executor.extraJavaOptions": ""}
+
+
+def spark_session(cluster, memory: str, java: dict | None = None, **config):
+    """A tra_sql Spark session on ``cluster``'s two 1-core workers with 2 GB of driver heap, its
+    two executors started; ``java``: Java options over tra_sql's (``SPARK_JAVA``: Spark's own)."""
+    db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
+                         driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4",
+                                                     **(java or {}), **config})
+    try:
+        db.engine.wait_for_executors(2)
+    except BaseException:
+        db.close()
+        raise
+    return db
 
 
 def block(seed: int, i: int, j: int, b: int) -> np.ndarray:
@@ -119,11 +142,11 @@ def mllib_check(sc, product, n: int, b: int, reference: np.ndarray) -> None:
     check(y.astype(np.float32), reference @ x, "MLlib")
 
 
-def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[float, float, float]:
-    db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
-                         driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
+def bench_spark(cluster, a, b, block_size, reference, repeat, memory, java=None) -> tuple[float, float, float]:
+    """tra_sql's product stored and computed only (Java options ``java`` over tra_sql's), then
+    MLlib's in an application of its own (Spark's own Java options): seconds of each."""
+    db = spark_session(cluster, memory, java)
     try:
-        db.engine.wait_for_executors(2)
         c = db.einsum("ij,jk->ik", db.from_numpy("A", a, tile=block_size), db.from_numpy("B", b, tile=block_size))
         store = median_time(lambda: c.store("C", replace=True), repeat)
         check(db.tensor("C").numpy(plan=False), reference, "tra_sql on Spark")
@@ -133,7 +156,13 @@ def bench_spark(cluster, a, b, block_size, reference, repeat, memory) -> tuple[f
 
         compute = median_time(compute_only, repeat, warmup=0)
         print(f"tra_sql Spark: store {store:.2f} s, compute only {compute:.2f} s", flush=True)
+    finally:
+        db.close()
+    db = spark_session(cluster, memory, SPARK_JAVA)
+    try:
         sc, n = db.engine.spark.sparkContext, a.shape[0]
+        db.from_numpy("A", a, tile=block_size)
+        db.from_numpy("B", b, tile=block_size)
         ma, mb = mllib_operand(db, "A", n, block_size), mllib_operand(db, "B", n, block_size)
         product = ma.multiply(mb)  # the warm-up run, checked
         java = product._java_matrix_wrapper._java_model
@@ -267,18 +296,17 @@ def _adjacency_product(dst, src, w, m: np.ndarray) -> np.ndarray:
 
 
 def bench_gcn(cluster, n, e, f, h, c, block, memory, adaptive: bool = False,
-              dataframes: bool = True, epochs: int = 8) -> dict:
+              dataframes: bool = True, epochs: int = 8, java: dict | None = None) -> dict:
     """One GCN training run of ``epochs`` epochs on DuckDB and on Spark (same losses and
-    weights), the GCN by hand on DataFrames (two epochs) and MLlib's products (``epochs``
-    times): seconds by run, Spark jobs and Python workers of a step."""
+    weights; Java options ``java`` over tra_sql's), then in an application of their own (Spark's
+    own Java options) the GCN by hand on DataFrames (two epochs) and MLlib's products
+    (``epochs`` times): seconds by run, Spark jobs and Python workers of a step."""
     data = gcn_data(n, e, f, c)
     with tra_sql.connect(threads=2, memory_limit="6GB") as duck:
         gcn_tables(duck, data)
         ours = gcn_epoch(duck, n, f, h, c, block, data[3], epochs)
-        db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
-                             driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4"})
+        db = spark_session(cluster, memory, java)
         try:
-            db.engine.wait_for_executors(2)
             if adaptive:
                 db.engine.program_settings = {}  # as spark_jobs.adaptive
             for table in ("adj", "labels"):
@@ -286,6 +314,12 @@ def bench_gcn(cluster, n, e, f, h, c, block, memory, adaptive: bool = False,
             spark = gcn_epoch(db, n, f, h, c, block, data[3], epochs)
             np.testing.assert_allclose(spark["losses"], ours["losses"], rtol=1e-4)
             check(spark["W1"], ours["W1"], "tra_sql GCN on Spark")
+        finally:
+            db.close()
+        db = spark_session(cluster, memory, SPARK_JAVA)
+        try:
+            for table in ("adj", "labels"):
+                transfer.copy(duck, db, table, replace=True)
             t_df = df_jobs = None
             if dataframes:
                 t_df, df_losses, df_w1, df_jobs = bench_spark_df.two_epochs(
@@ -321,6 +355,8 @@ def main() -> None:
                         help="GCN epochs trained on each engine (the later half's median is the steady epoch)")
     parser.add_argument("--no-dataframes", action="store_true",
                         help="skip the GCN by hand on DataFrames (long format: slow at 100k nodes)")
+    parser.add_argument("--java-defaults", action="store_true",
+                        help="run tra_sql under Spark's own Java options, not tra_sql's (spark.JAVA_OPTIONS); for an A/B")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     if "matmul" in args.only:
@@ -334,7 +370,7 @@ def main() -> None:
               f"compilers warm); MLlib's products run as often, timed alike", flush=True)
         with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
             t = bench_gcn(cluster, n, e, f, h, c, args.block, args.executor_memory, args.adaptive,
-                          not args.no_dataframes, args.epochs)
+                          not args.no_dataframes, args.epochs, SPARK_JAVA if args.java_defaults else None)
         duck, spark, mllib = t["duckdb"], t["spark"], t["mllib"]
         by_hand = "" if t["df"] is None else \
             f"| the same GCN by hand on Spark DataFrames, one epoch | {t['df']:.2f} | | {t['df_jobs']} |\n"
@@ -364,7 +400,8 @@ def bench_matmul(args) -> None:
     t_duck = bench_duckdb(a, b, bs, reference, args.repeat)
     print(f"tra_sql DuckDB: {t_duck:.2f} s", flush=True)
     with StandaloneCluster(workers=2, cores=1, memory=args.executor_memory) as cluster:
-        t_store, t_compute, t_mllib = bench_spark(cluster, a, b, bs, reference, args.repeat, args.executor_memory)
+        t_store, t_compute, t_mllib = bench_spark(cluster, a, b, bs, reference, args.repeat, args.executor_memory,
+                                                  SPARK_JAVA if args.java_defaults else None)
     rows = [("numpy `a @ b` (2 BLAS threads, one run)", t_numpy), ("tra_sql on DuckDB (2 threads), store", t_duck),
             ("tra_sql on Spark, store", t_store), ("tra_sql on Spark, compute only (noop sink)", t_compute),
             ("MLlib BlockMatrix.multiply + count (float64)", t_mllib)]

@@ -8,6 +8,7 @@ import re
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +22,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
 from tra_sql.backends import spark_jobs, spark_pipeline, spark_sql, transfer  # noqa: E402
-from tra_sql.backends.spark import CODEGEN_CACHE, ONE_JOB, TILE_COPIES  # noqa: E402
+from tra_sql.backends.spark import CODEGEN_CACHE, JAVA_OPTIONS, ONE_JOB, TILE_COPIES  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
@@ -516,6 +517,24 @@ def numpy_gradient(x, y, w, b):
     d = (p / p.sum(axis=1, keepdims=True) - y) / len(x)
     loss = -(y * (z - z.max(axis=1, keepdims=True) - np.log(p.sum(axis=1, keepdims=True)))).sum() / len(x)
     return loss, x.T @ d, d.sum(axis=0)
+
+
+def test_the_jvms_tra_sql_starts_compile_with_c1_only(cdb):
+    """The driver's JVM and the executors of an application on a standalone cluster run with
+    ``JAVA_OPTIONS``."""
+    jvm = cdb.engine.spark.sparkContext._jvm
+    assert set(JAVA_OPTIONS.split()) <= set(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                                            .getInputArguments())
+    app = cdb.engine.spark.sparkContext.applicationId.encode()
+    executors = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if b"org.apache.spark.executor.CoarseGrainedExecutorBackend" in arguments and app in arguments:
+            executors.append({a.decode() for a in arguments})
+    assert len(executors) == 2 and all(set(JAVA_OPTIONS.split()) <= e for e in executors)
 
 
 def test_a_training_step_compiles_its_classes_once(sdb):

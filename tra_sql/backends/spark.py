@@ -78,6 +78,14 @@ INTERPRETED = {"spark.sql.codegen.wholeStage": "false"}
 #: rows several times over in the heap (the queue of rows awaiting their results, their
 #: projections, the rows made of the results).
 BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
+#: Java options of the driver and executors tra_sql starts (``spark.driver.extraJavaOptions``,
+#: ``spark.executor.extraJavaOptions``; a ``config`` that sets one replaces it): just-in-time
+#: compilation by HotSpot's C1 compiler only. A training step plans a query of ~180 operators
+#: through Catalyst and runs interpreted expressions over a few rows of tiles, so the C2
+#: compiler was still busy after 40 steps of the 8192-node GCN, the largest user of the
+#: driver's CPU; with C1 alone the driver's JVM spent half the CPU a step (1.0 against 1.9 s)
+#: and a step took 1.6 against 1.9 s after 40 steps on two cores (bench/RESULTS.md).
+JAVA_OPTIONS = "-XX:+IgnoreUnrecognizedVMOptions -XX:TieredStopAtLevel=1"
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -115,6 +123,7 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
         # the hash aggregate holds every group's list at once and runs out of heap on MB tiles
         "spark.sql.execution.useObjectHashAggregateExec": "false",
         "spark.sql.codegen.cache.maxEntries": str(CODEGEN_CACHE),
+        "spark.driver.extraJavaOptions": JAVA_OPTIONS, "spark.executor.extraJavaOptions": JAVA_OPTIONS,
     }
     if executor_cores is not None:
         settings["spark.executor.cores"] = str(executor_cores)
