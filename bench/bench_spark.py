@@ -356,7 +356,7 @@ def main() -> None:
     parser.add_argument("--no-dataframes", action="store_true",
                         help="skip the GCN by hand on DataFrames (long format: slow at 100k nodes)")
     parser.add_argument("--java-defaults", action="store_true",
-                        help="run tra_sql under Spark's own Java options, not tra_sql's (spark.JAVA_OPTIONS); for an A/B")
+                        help="tra_sql under Spark's own Java options, not its own (spark.JAVA_OPTIONS); for an A/B")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
     if "matmul" in args.only:
