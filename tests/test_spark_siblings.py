@@ -1,5 +1,6 @@
-"""Sibling results of a training step in one Spark step (``backends.spark_siblings``): the SQL
-that Spark would run, built without Spark. Spark's answers are compared with DuckDB's in
+"""Sibling results of a training step in one Spark step (``backends.spark_siblings``), and the
+union of a step's results in few tasks: the SQL that Spark would run, built without Spark.
+Spark's answers are compared with DuckDB's in
 ``test_spark.py::test_an_optimizer_step_computes_its_results_in_one_projection``."""
 
 import re
@@ -68,3 +69,17 @@ def test_results_merge_while_a_row_fits_a_tasks_tile_budget():
         program, results = adam_step(db)
         merged = SparkDialect(replicate=500).union_steps(program, results, db.engine.completeness())
     assert stacked(merged.text()) == [["b", "r__m__b", "r__v__b"]]
+
+
+def test_a_small_union_of_results_runs_in_a_task_per_executor_core():
+    """The union of a step's results (here 656 bytes) that fits a task's tile budget is coalesced
+    into as many partitions as the executors run tasks at once, not a task per result; a union
+    over the budget, or with the slots unknown, keeps a task per result."""
+    def final(dialect):
+        with tra_sql.connect() as db:
+            program, results = adam_step(db)
+            return dialect.union_steps(program, results, db.engine.completeness()).final
+
+    assert final(SparkDialect(replicate=1 << 20, slots=2)).startswith("SELECT /*+ COALESCE(2) */ target")
+    assert "COALESCE(2)" not in final(SparkDialect(replicate=600, slots=2))
+    assert "COALESCE(2)" not in final(SparkDialect(replicate=1 << 20))

@@ -221,8 +221,10 @@ class SparkEngine(Engine):
 
     def sql_dialect(self) -> SparkDialect:
         """The dialect programs are written in: groups over ``group_bytes`` as grouped
-        aggregates, relations that fit a task's tile budget (``budget``) not shuffled."""
-        return SparkDialect(self.group_bytes, self.budget()[1])
+        aggregates, relations that fit a task's tile budget (``budget``) not shuffled, small
+        unions of results in a task per executor core."""
+        slots, budget = self.budget()
+        return SparkDialect(self.group_bytes, budget, slots)
 
     @contextmanager
     def steps(self, steps: Steps, what: str, args: dict[str, bytes] | None = None, inputs: dict | None = None):

@@ -134,9 +134,10 @@ class SparkDialect(Dialect):
     materialized = False
     fuses_contractions = False  # no native aggregates: split BLAS products stay partials + tra_reduce
 
-    def __init__(self, limit: int = GROUP_BYTES, replicate: float = 0):
+    def __init__(self, limit: int = GROUP_BYTES, replicate: float = 0, slots: int = 0):
         self.limit = limit  # the most bytes of tiles a group may hold in one row
         self.replicate = replicate  # relations of at most this many bytes are not shuffled
+        self.slots = slots  # tasks the executors run at once (0: not known)
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """``node`` as a grouped aggregate UDF call if its groups exceed ``limit`` bytes."""
@@ -181,15 +182,25 @@ class SparkDialect(Dialect):
         computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
         tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
         are read as query parameters where they can be (``spark_parameters``); the stored tables
-        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``)."""
+        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). Results
+        that together fit a task's tile budget are computed in as many tasks as the executors
+        run at once (``slots``), not in a task each (a training step's union of a result per
+        target ran in waves)."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         parameters = scalar_parameters(query, scalars)
-        steps = self._steps(query, lambda body: exp.select("target", *keys, "tile").from_(body.subquery("u")), sizes,
-                            inputs)
+        small = sum(node.dtype.itemsize * prod(node.shape) for node in results.values()) <= self.replicate
+
+        def finish(body: exp.Expression) -> exp.Select:
+            union = exp.select("target", *keys, "tile").from_(body.subquery("u"))
+            if small and self.slots:
+                _add_hint(union, [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(self.slots)])])
+            return union
+
+        steps = self._steps(query, finish, sizes, inputs)
         steps.nbytes, steps.parameters = largest(program), frozenset(parameters)
         return steps
 
