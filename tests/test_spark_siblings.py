@@ -71,15 +71,16 @@ def test_results_merge_while_a_row_fits_a_tasks_tile_budget():
     assert stacked(merged.text()) == [["b", "r__m__b", "r__v__b"]]
 
 
-def test_a_small_union_of_results_runs_in_a_task_per_executor_core():
-    """The union of a step's results (here 656 bytes) that fits a task's tile budget is coalesced
-    into as many partitions as the executors run tasks at once, not a task per result; a union
-    over the budget, or with the slots unknown, keeps a task per result."""
+def test_a_small_steps_results_run_in_a_task_per_executor_core():
+    """The union of the results of a step whose relations all fit a task's tile budget (here
+    the largest, the features, holds 2,560 bytes) is coalesced into as many partitions as the
+    executors run tasks at once, not a task per result; a step with a relation over the budget,
+    or with the slots unknown, keeps a task per result."""
     def final(dialect):
         with tra_sql.connect() as db:
             program, results = adam_step(db)
             return dialect.union_steps(program, results, db.engine.completeness()).final
 
-    assert final(SparkDialect(replicate=1 << 20, slots=2)).startswith("SELECT /*+ COALESCE(2) */ target")
-    assert "COALESCE(2)" not in final(SparkDialect(replicate=600, slots=2))
+    assert final(SparkDialect(replicate=2560, slots=2)).startswith("SELECT /*+ COALESCE(2) */ target")
+    assert "COALESCE(2)" not in final(SparkDialect(replicate=2559, slots=2))
     assert "COALESCE(2)" not in final(SparkDialect(replicate=1 << 20))

@@ -182,17 +182,19 @@ class SparkDialect(Dialect):
         computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
         tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
         are read as query parameters where they can be (``spark_parameters``); the stored tables
-        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). Results
-        that together fit a task's tile budget are computed in as many tasks as the executors
-        run at once (``slots``), not in a task each (a training step's union of a result per
-        target ran in waves)."""
+        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). If every
+        relation of the program fits a task's tile budget, the results are computed in as many
+        tasks as the executors run at once (``slots``), not in a task each (a training step's
+        union of a result per target ran in waves): a task then computes several results one
+        after the other, and Spark frees some of the memory each took (the rows queued for a
+        Python UDF) only when the task ends."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         parameters = scalar_parameters(query, scalars)
-        small = sum(node.dtype.itemsize * prod(node.shape) for node in results.values()) <= self.replicate
+        small = largest(program) <= self.replicate
 
         def finish(body: exp.Expression) -> exp.Select:
             union = exp.select("target", *keys, "tile").from_(body.subquery("u"))
