@@ -26,7 +26,7 @@ import bench_spark  # noqa: E402
 
 import tra_sql  # noqa: E402
 from tra_sql.backends import spark_jobs, transfer  # noqa: E402
-from tra_sql.backends.spark import SparkEngine  # noqa: E402
+from tra_sql.backends.spark import JAVA_OPTIONS, SparkEngine  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -89,8 +89,8 @@ def main() -> None:
         bench_spark.gcn_tables(duck, data)
         config = {"spark.sql.shuffle.partitions": str(args.partitions)}
         if args.jfr:
-            config["spark.driver.extraJavaOptions"] = (f"-XX:StartFlightRecording=filename={args.jfr},settings=profile "
-                                                       "-XX:FlightRecorderOptions=stackdepth=2048")
+            config["spark.driver.extraJavaOptions"] = (f"{JAVA_OPTIONS} -XX:StartFlightRecording=filename={args.jfr},"
+                                                       "settings=profile -XX:FlightRecorderOptions=stackdepth=2048")
         db = tra_sql.connect(engine="spark", master="local[2]", driver_memory="2g", config=config)
         try:
             for table in ("adj", "labels"):

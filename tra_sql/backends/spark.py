@@ -83,8 +83,9 @@ BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 #: compilation by HotSpot's C1 compiler only. A training step plans a query of ~180 operators
 #: through Catalyst and runs interpreted expressions over a few rows of tiles, so the C2
 #: compiler was still busy after 40 steps of the 8192-node GCN, the largest user of the
-#: driver's CPU; with C1 alone the driver's JVM spent half the CPU a step (1.0 against 1.9 s)
-#: and a step took 1.6 against 1.9 s after 40 steps on two cores (bench/RESULTS.md).
+#: driver's CPU. With C1 alone the driver's JVM used 0.9-1.0 s of CPU a step, against 1.7-2.0 s
+#: in steps 12-15 and 1.0-1.5 s in steps 36-39, and the median of steps 21-40 took 1.63
+#: against 1.90 s on two cores (bench/RESULTS.md).
 JAVA_OPTIONS = "-XX:+IgnoreUnrecognizedVMOptions -XX:TieredStopAtLevel=1"
 
 
