@@ -58,12 +58,12 @@ SEED = 11
 SPARK_JAVA = {"spark.driver.extraJavaOptions": "", "spark.executor.extraJavaOptions": ""}
 
 
-def spark_session(cluster, memory: str, java: dict | None = None, **config):
+def spark_session(cluster, memory: str, java: dict | None = None):
     """A tra_sql Spark session on ``cluster``'s two 1-core workers with 2 GB of driver heap, its
     two executors started; ``java``: Java options over tra_sql's (``SPARK_JAVA``: Spark's own)."""
     db = tra_sql.connect(engine="spark", master=cluster.url, executor_memory=memory, executor_cores=1,
                          driver_memory="2g", config={"spark.cores.max": "2", "spark.sql.shuffle.partitions": "4",
-                                                     **(java or {}), **config})
+                                                     **(java or {})})
     try:
         db.engine.wait_for_executors(2)
     except BaseException:

@@ -194,16 +194,16 @@ class SparkDialect(Dialect):
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         parameters = scalar_parameters(query, scalars)
-        small = largest(program) <= self.replicate
+        nbytes = largest(program)
 
         def finish(body: exp.Expression) -> exp.Select:
             union = exp.select("target", *keys, "tile").from_(body.subquery("u"))
-            if small and self.slots:
+            if nbytes <= self.replicate and self.slots:
                 _add_hint(union, [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(self.slots)])])
             return union
 
         steps = self._steps(query, finish, sizes, inputs)
-        steps.nbytes, steps.parameters = largest(program), frozenset(parameters)
+        steps.nbytes, steps.parameters = nbytes, frozenset(parameters)
         return steps
 
     def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None,
