@@ -81,11 +81,11 @@ BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 #: Java options of the driver and executors tra_sql starts (``spark.driver.extraJavaOptions``,
 #: ``spark.executor.extraJavaOptions``; a ``config`` that sets one replaces it): just-in-time
 #: compilation by HotSpot's C1 compiler only. A training step plans a query of ~180 operators
-#: through Catalyst and runs interpreted expressions over a few rows of tiles, so the C2
-#: compiler was still busy after 40 steps of the 8192-node GCN, the largest user of the
-#: driver's CPU. With C1 alone the driver's JVM used 0.9-1.0 s of CPU a step, against 1.7-2.0 s
-#: in steps 12-15 and 1.0-1.5 s in steps 36-39, and the median of steps 21-40 took 1.63
-#: against 1.90 s on two cores (bench/RESULTS.md).
+#: through Catalyst and runs interpreted expressions over a few rows of tiles: the C2 compiler
+#: was the driver's busiest single thread over 12 steps of the 8192-node GCN. With C1 alone
+#: the driver's JVM used 0.9-1.0 s of CPU a step, against 1.7-2.0 s in steps 12-15 and 1.0-1.5 s
+#: in steps 36-39, and the median of steps 21-40 took 1.63 against 1.90 s on two cores
+#: (bench/RESULTS.md).
 JAVA_OPTIONS = "-XX:+IgnoreUnrecognizedVMOptions -XX:TieredStopAtLevel=1"
 
 
