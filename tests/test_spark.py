@@ -21,7 +21,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
-from tra_sql.backends import spark_jobs, spark_pipeline, spark_sql, transfer  # noqa: E402
+from tra_sql.backends import spark_jobs, spark_pipeline, spark_sql, spark_train, transfer  # noqa: E402
 from tra_sql.backends.spark import CODEGEN_CACHE, JAVA_OPTIONS, ONE_JOB, TILE_COPIES  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
@@ -680,6 +680,21 @@ def test_steps_are_planned_while_the_step_before_runs(sdb, monkeypatch):
     np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(params[1].numpy(), want_b, rtol=1e-10, atol=1e-14)
     assert temporary_views(spark) == views and spark.conf.get("spark.sql.adaptive.enabled") == "true"
+
+
+def test_a_schedules_bad_rate_stops_a_pipelined_run_before_that_step(sdb):
+    """The rate of step 3 is bound while step 2 runs, to plan step 3 ahead: the schedule's
+    negative rate there plans nothing ahead, and the error is raised by step 3 itself, after
+    step 2 is committed (as on DuckDB); the run leaves no view behind."""
+    spark = sdb.engine.spark
+    views = temporary_views(spark)
+    loss, params, (x, y, w) = logistic_regression(sdb)
+    with pytest.raises(tra_sql.SpecError, match=r"lr of step 3 \(the schedule's value\) must be"):
+        sdb.train(loss, params, SGD(lr=lambda step: 0.5 if step < 3 else -0.5), 4, run="sched", progress=False)
+    assert [r["step"] for r in spark_train.rows(sdb, "tra_runs", spark_train.RUN_SCHEMA) if r["run"] == "sched"] == [2]
+    want_w, _ = sgd_steps([x] * 2, y, w, np.zeros(3), [0.5] * 2)
+    np.testing.assert_allclose(params[0].numpy(), want_w, rtol=1e-10, atol=1e-14)
+    assert temporary_views(spark) == views
 
 
 def test_minibatch_steps_planned_ahead_equal_duckdb(sdb, duck, monkeypatch):

@@ -388,6 +388,16 @@ def test_optimizer_hyperparameters_are_checked_as_pytorch_checks_them(make, mess
         make()
 
 
+def test_a_schedules_bad_rate_stops_the_run_before_that_step(db, rng):
+    """A schedule whose rate is negative at step 3 raises ``SpecError`` naming the step; steps
+    1 and 2 are committed."""
+    loss, params, _ = _problem(db, rng)
+    with pytest.raises(tra_sql.SpecError, match=r"lr of step 3 \(the schedule's value\) must be a finite number "
+                                                r">= 0, got -0.1"):
+        db.train(loss, params, SGD(lr=lambda step: 0.1 if step < 3 else -0.1), 5, run="sched", progress=False)
+    assert db.sql("SELECT step FROM tra_runs WHERE run = 'sched'").fetchall() == [(2,)]
+
+
 def test_schedules_and_numpy_numbers_are_hyperparameters():
     assert SGD(lr=lambda step: 0.1 / step).rate(2) == 0.05
     assert Adam(lr=np.float32(0.5), betas=(np.float64(0.8), 0.9)).rate(1) == 0.5

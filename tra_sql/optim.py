@@ -58,7 +58,12 @@ class Optimizer:
             _check(wd, "weight_decay" if name is None else f"weight_decay of {name!r}")
 
     def rate(self, step: int) -> float:
-        return float(self.lr(step) if callable(self.lr) else self.lr)
+        """The learning rate of step ``step``; a schedule's must be finite and not negative."""
+        if not callable(self.lr):
+            return float(self.lr)
+        value = self.lr(step)
+        _check(value, f"lr of step {step} (the schedule's value)")
+        return float(value)
 
     def decay(self, name: str) -> float:
         wd = self.weight_decay

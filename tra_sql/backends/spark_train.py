@@ -184,7 +184,7 @@ class SparkTrainer(core.Trainer):
         planned over the tables."""
         from pyspark import StorageLevel
 
-        engine, pipeline, p = self.db.engine, self.pipeline, self.plans[batch]
+        engine, pipeline = self.db.engine, self.pipeline
         keep = StorageLevel.MEMORY_AND_DISK
         with call_site(engine.spark, f"tra_sql: {what}"):
             prepared = pipeline.take((batch, step), args)
@@ -192,12 +192,7 @@ class SparkTrainer(core.Trainer):
             if not ahead:
                 prepared = engine.prepare(steps, what, args, keep=keep)
             if step < self.epochs * self.batches:
-                following = (batch + 1) % self.batches
-                nxt = self.compiled(following, (step + 1) % 2)
-                targets = {target.lower(): (target, len(node.shape)) for target, node in p.nodes.items()
-                           if target.lower() in nxt.inputs}
-                pipeline.plan((following, step + 1), nxt, f"step {step + 1} of run '{self.run}'",
-                              self.bind_scalars(step + 1, following), prepared, targets, keep)
+                self.plan_ahead(batch, step, prepared, keep)
             try:
                 self.write(batch, prepared.frame, what, translated=not ahead)
             except BaseException as err:
@@ -213,6 +208,22 @@ class SparkTrainer(core.Trainer):
                     raise
         prepared.close()
         pipeline.ran(prepared)
+
+    def plan_ahead(self, batch: int, step: int, prepared, keep) -> None:
+        """Plan step ``step + 1`` in the background over ``prepared``'s kept result (step
+        ``step``'s, of batch ``batch``); nothing if its scalars cannot be bound (a schedule's
+        bad rate, say): that step then raises when it runs, after step ``step`` is committed,
+        as it would unpipelined."""
+        following = (batch + 1) % self.batches
+        try:
+            args = self.bind_scalars(step + 1, following)
+        except Exception:
+            return
+        nxt = self.compiled(following, (step + 1) % 2)
+        targets = {target.lower(): (target, len(node.shape)) for target, node in self.plans[batch].nodes.items()
+                   if target.lower() in nxt.inputs}
+        self.pipeline.plan((following, step + 1), nxt, f"step {step + 1} of run '{self.run}'", args, prepared,
+                           targets, keep)
 
     def write(self, batch: int, frame, what: str, translated: bool = True) -> None:
         """Write the step's rows ``frame`` to batch ``batch``'s staging directory (Spark's
