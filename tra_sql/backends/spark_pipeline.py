@@ -134,4 +134,3 @@ def kept_inputs(spark, result: Prepared, targets: dict[str, tuple[str, int]]) ->
                      spark)
     return {table: rows.where(F.col("target") == F.lit(target)).select(*(f"k{d}" for d in range(rank)), "tile")
             for table, (target, rank) in targets.items()}
-
