@@ -72,9 +72,11 @@ def test_results_merge_while_a_row_fits_a_tasks_tile_budget():
 
 
 def test_a_small_steps_results_run_in_a_task_per_executor_core():
-    """The union of the results of a step whose relations all fit a task's tile budget (here
-    the largest, the features, holds 2,560 bytes) is coalesced into as many partitions as the
-    executors run tasks at once, not a task per result; a step with a relation over the budget,
+    """The union of a step's results is coalesced into as many partitions as the executors run
+    tasks at once, not a task per result, when it reads nothing over a task's tile budget but
+    through an exchange: every relation fits (the largest, the features, holds 2,560 bytes), or
+    the features (over the budget) are read only by small steps exchanged into one partition.
+    A union reading a relation over the budget itself (W, 192 bytes, over a 100-byte budget),
     or with the slots unknown, keeps a task per result."""
     def final(dialect):
         with tra_sql.connect() as db:
@@ -82,5 +84,24 @@ def test_a_small_steps_results_run_in_a_task_per_executor_core():
             return dialect.union_steps(program, results, db.engine.completeness()).final
 
     assert final(SparkDialect(replicate=2560, slots=2)).startswith("SELECT /*+ COALESCE(2) */ target")
-    assert "COALESCE(2)" not in final(SparkDialect(replicate=2559, slots=2))
+    assert final(SparkDialect(replicate=2559, slots=2)).startswith("SELECT /*+ COALESCE(2) */ target")
+    assert "COALESCE(2)" not in final(SparkDialect(replicate=100, slots=2))
     assert "COALESCE(2)" not in final(SparkDialect(replicate=1 << 20))
+
+
+def test_a_small_step_of_big_inputs_is_exchanged_into_one_partition():
+    """A step whose result fits a task's tile budget is one partition: coalesced from its inputs
+    (``COALESCE(1)``) when they are small too or reached through an aggregation's exchange (the
+    gradient Xᵀ·G summed over X's row tiles), and computed in its inputs' partitions and then
+    exchanged (``REPARTITION(1)``) when it reads a relation over the budget, here the features
+    (2,560 bytes over 2,559) in X·W: one partition coalesced from them was computed in one task,
+    and again by every executor reading it."""
+    with tra_sql.connect() as db:
+        program, results = adam_step(db)
+        steps = SparkDialect(replicate=2559, slots=2).union_steps(program, results, db.engine.completeness())
+        views = {name[len(steps.prefix):]: sql for name, sql, _ in steps.views}
+        fits = SparkDialect(replicate=2560).union_steps(program, results, db.engine.completeness())
+    assert "FROM `X`" in views["_t2"] and "REPARTITION(1)" in views["_t2"]  # X·W
+    assert "JOIN `X`" in views["_t9"] and "COALESCE(1) */ k0" in views["_t9"]  # Xᵀ·G
+    assert "COALESCE(1) */ x0.k0" in views["_t3"]  # the max of X·W
+    assert "REPARTITION" not in fits.text() and fits.text().count("FROM `X`") == 2

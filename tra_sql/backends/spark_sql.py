@@ -23,7 +23,10 @@ its ``FROM`` side, if the right side is not) is read whole by every task of the 
 ``SHUFFLE_REPLICATE_NL``: a cartesian product filtered by the join keys, no exchange on either
 side), and a step whose result is that small is computed into one partition (``COALESCE(1)``:
 its consumers' tasks, each a Python UDF's start, are not multiplied by the shuffle's
-partitions).
+partitions). Such a step is computed once by the tasks of its inputs and then exchanged into one
+partition (``REPARTITION(1)``) when it reads a relation that is not small (the features, an
+adjacency): one partition coalesced from big inputs was computed by one task, and by each
+executor that read it (every executor's task of a join computed the replicated side).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from tra_sql.udfs.protocol import FILL, REDUCE_GROUP, EinsumStep, Kernel
 GROUP_BYTES = 32 << 20
 #: A constant whose tiles are all alike and at most this many bytes is a literal (``_literal_fills``).
 FILL_LITERAL_BYTES = 1 << 10
+#: marks of a step's ``Select`` (``exp.Expression.meta``): a small step's, one exchanged into one partition
+SMALL_STEP, EXCHANGED = "spark_small_step", "spark_exchanged"
 
 
 def _groups(step: EinsumStep) -> int:
@@ -182,12 +187,13 @@ class SparkDialect(Dialect):
         computed in one step (``spark_siblings``) whose rows hold at most ``replicate`` bytes of
         tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
         are read as query parameters where they can be (``spark_parameters``); the stored tables
-        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). If every
-        relation of the program fits a task's tile budget, the results are computed in as many
-        tasks as the executors run at once (``slots``), not in a task each (a training step's
-        union of a result per target ran in waves): a task then computes several results one
-        after the other, and Spark frees some of the memory each took (the rows queued for a
-        Python UDF) only when the task ends."""
+        named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). If the
+        union reads no relation over a task's tile budget other than through a small step
+        exchanged into one partition (``_big_reads``), the results are computed in as many tasks
+        as the executors run at once (``slots``), not in a task each (a training step's union of
+        a result per target ran in waves): a task then computes several results one after the
+        other, and Spark frees some of the memory each took (the rows queued for a Python UDF)
+        only when the task ends."""
         rank = max((len(node.shape) for node in results.values()), default=0)
         keys = _keys(rank)
         query, sizes = program.union_query(results), relation_bytes(program)
@@ -197,24 +203,23 @@ class SparkDialect(Dialect):
         nbytes = largest(program)
 
         def finish(body: exp.Expression) -> exp.Select:
-            union = exp.select("target", *keys, "tile").from_(body.subquery("u"))
-            if nbytes <= self.replicate and self.slots:
-                _add_hint(union, [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(self.slots)])])
-            return union
+            return exp.select("target", *keys, "tile").from_(body.subquery("u"))
 
-        steps = self._steps(query, finish, sizes, inputs)
+        steps = self._steps(query, finish, sizes, inputs, spread=True)
         steps.nbytes, steps.parameters = nbytes, frozenset(parameters)
         return steps
 
     def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None,
-               inputs: frozenset[str] = frozenset()) -> Steps:
+               inputs: frozenset[str] = frozenset(), spread: bool = False) -> Steps:
         """``query``'s CTEs read more than once as views named uniquely (the same program may
         run twice at once), the others subqueries of their readers (``_inline``; as are steps
         that call no kernel, wherever they are read), the relations that ``sizes`` (bytes by
         name) says are small not shuffled (``hint``). A view replicated into a join counts as
         read twice: the session keeps it (a local checkpoint), else each task of the join would
-        compute it again, and its inputs. The stored tables named in ``inputs`` are read through
-        views named uniquely too (``Steps.inputs``)."""
+        compute it again, and its inputs. A small step that reads a big relation is exchanged
+        into its one partition (``_exchange_small_steps``). The stored tables named in ``inputs``
+        are read through views named uniquely too (``Steps.inputs``). With ``spread`` the final
+        query runs in ``slots`` tasks if it reads nothing big but through an exchange."""
         key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
         ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
         body = query.copy()
@@ -241,6 +246,12 @@ class SparkDialect(Dialect):
         inlined = {names[name] for name, part in zip(names, parts) if reads[names[name]] == 1 or not _calls(part)}
         _inline(parts, names, inlined)
         kept = [(name, part) for (name, _), part in zip(ctes, parts) if names[name] not in inlined]
+        small = {names.get(ref, views.get(ref.lower(), ref)) for ref, nbytes in (sizes or {}).items()
+                 if nbytes <= self.replicate}
+        for part in [part for _, part in kept] + parts[-1:]:
+            _exchange_small_steps(part, small)
+        if spread and self.slots and not _big_reads(parts[-1], small):
+            _add_hint(parts[-1], [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(self.slots)])])
         rendered = [self.render(part) for part in [part for _, part in kept] + parts[-1:]]
         steps = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
         big = frozenset(names[name] for name, _ in kept if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
@@ -278,8 +289,40 @@ class SparkDialect(Dialect):
                 table.replace(_coalesced(exp.select("*").from_(exp.Table(this=table.this.copy())))
                               .subquery(alias))
         if name is not None and small(name) and isinstance(query, exp.Select):
-            _coalesced(query)
+            _coalesced(query).meta[SMALL_STEP] = True
         return query
+
+
+def _exchange_small_steps(part: exp.Expression, small: set[str]) -> None:
+    """Each small step in ``part`` (the innermost first) that reads a relation not named in
+    ``small`` outside an exchange computed in its inputs' partitions and then exchanged into one
+    (``REPARTITION(1)`` for its ``COALESCE(1)``)."""
+    for select in reversed(list(part.find_all(exp.Select))):
+        if select.meta.get(SMALL_STEP) and _big_reads(select, small):
+            for hint in select.args["hint"].expressions:
+                if isinstance(hint, exp.Anonymous) and hint.name.upper() == "COALESCE":
+                    hint.set("this", "REPARTITION")
+            select.meta[EXCHANGED] = True
+
+
+def _big_reads(select: exp.Expression, small: set[str]) -> bool:
+    """Whether ``select`` reads a table not named in ``small`` other than through an exchange:
+    a step exchanged into one partition (``_exchange_small_steps``), or an aggregation (Spark
+    exchanges its input by its keys: a tile relation's scan, and a join with a side read whole,
+    have no partitioning of their own)."""
+    def reads(node: exp.Expression) -> bool:
+        if isinstance(node, exp.Table):  # a relation, or a table function (``RANGE``)
+            return isinstance(node.this, exp.Identifier) and node.name not in small
+        if isinstance(node, exp.Select) and (node is not select and node.meta.get(EXCHANGED) or _aggregates(node)):
+            return False
+        return any(reads(child) for child in node.iter_expressions())
+    return reads(select)
+
+
+def _aggregates(select: exp.Select) -> bool:
+    """Whether ``select`` groups or aggregates its rows."""
+    return bool(select.args.get("group")) or any(
+        isinstance(node, exp.AggFunc) for column in select.expressions for node in column.walk())
 
 
 def _prefix() -> str:
