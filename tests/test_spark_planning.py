@@ -150,19 +150,24 @@ def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkey
     """A gradient contracted with the features (``nh,nf->fh``: the gradient in ``FROM``, the
     features past a task's tile budget) does not shuffle the features: the gradient, within
     the budget, is read whole by each task of the join (``SHUFFLE_REPLICATE_NL`` on the
-    ``FROM`` side, one partition, kept as a view). numpy's answer."""
+    ``FROM`` side, one partition, kept as a view), and the gradient, computed from the features,
+    is computed in their partitions and exchanged into one (``REPARTITION(1)``), not coalesced
+    into one task. numpy's answers."""
     from tra_sql.backends.spark_sql import SparkDialect
 
-    g, _, want, _ = features_gradient(sdb, "f", 400)
+    g, h, want, hidden = features_gradient(sdb, "f", 400)
     dialect = SparkDialect(sdb.engine.group_bytes, 25_000)  # h's 19,200 bytes fit, x's 38,400 do not
     monkeypatch.setattr(sdb.engine, "sql_dialect", lambda: dialect)
-    text = dialect.steps(g.program()).text()
+    steps = dialect.steps(g.program())
     assert re.search(r"SHUFFLE_REPLICATE_NL\(x0\).*FROM \(SELECT /\*\+ COALESCE\(1\) \*/ \* FROM `_tra_\w+`\) AS x0 "
-                     r"JOIN `fX` AS x1", text)
+                     r"JOIN `fX` AS x1", steps.text())
+    ((_, h_view, _),) = steps.views
+    assert "REPARTITION(1)" in h_view and "FROM `fX`" in h_view
     with sdb.engine.frame(g.program()) as frame:
         plan = frame._jdf.queryExecution().executedPlan().toString()
     assert "SortMergeJoin" not in plan
     np.testing.assert_allclose(g.numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(h.numpy(), hidden, rtol=1e-12)
 
 
 def test_small_relations_are_not_shuffled(sdb, monkeypatch):
