@@ -6,6 +6,7 @@ Spark's answers are compared with DuckDB's in
 import re
 
 import numpy as np
+from sqlglot import exp
 
 import tra_sql
 from tra_sql import train as core
@@ -75,9 +76,9 @@ def test_a_small_steps_results_run_in_a_task_per_executor_core():
     """The union of a step's results is coalesced into as many partitions as the executors run
     tasks at once, not a task per result, when it reads nothing over a task's tile budget but
     through an exchange: every relation fits (the largest, the features, holds 2,560 bytes), or
-    the features (over the budget) are read only by small steps exchanged into one partition.
-    A union reading a relation over the budget itself (W, 192 bytes, over a 100-byte budget),
-    or with the slots unknown, keeps a task per result."""
+    the features (over the budget) are read only by a step exchanged into one partition and by
+    an aggregation. A union whose results do not fit (W, 192 bytes, over a 100-byte budget), or
+    with the slots unknown, keeps a task per result."""
     def final(dialect):
         with tra_sql.connect() as db:
             program, results = adam_step(db)
@@ -105,3 +106,22 @@ def test_a_small_step_of_big_inputs_is_exchanged_into_one_partition():
     assert "JOIN `X`" in views["_t9"] and "COALESCE(1) */ k0" in views["_t9"]  # Xᵀ·G
     assert "COALESCE(1) */ x0.k0" in views["_t3"]  # the max of X·W
     assert "REPARTITION" not in fits.text() and fits.text().count("FROM `X`") == 2
+
+
+def test_what_a_query_reads_other_than_through_an_exchange():
+    """``_big_reads``: a relation outside the small ones, read directly or through a join, but
+    not through an aggregation (Spark exchanges its input) or a step exchanged into one
+    partition; a table function (``RANGE``) is no relation."""
+    from sqlglot import parse_one
+
+    from tra_sql.backends.spark_sql import EXCHANGED, _big_reads
+
+    small = {"w"}
+    assert _big_reads(parse_one("SELECT * FROM x JOIN w ON TRUE"), small)
+    assert not _big_reads(parse_one("SELECT * FROM w JOIN RANGE(0, 2) AS r(o) ON TRUE"), small)
+    assert not _big_reads(parse_one("SELECT k, COLLECT_LIST(t) FROM x GROUP BY k"), small)
+    assert not _big_reads(parse_one("SELECT * FROM w JOIN (SELECT SUM(t) AS t FROM x) AS g ON TRUE"), small)
+    exchanged = parse_one("SELECT * FROM w JOIN (SELECT t FROM x) AS s ON TRUE")
+    assert _big_reads(exchanged, small)
+    exchanged.find(exp.Subquery).this.meta[EXCHANGED] = True
+    assert not _big_reads(exchanged, small)

@@ -23,10 +23,11 @@ its ``FROM`` side, if the right side is not) is read whole by every task of the 
 ``SHUFFLE_REPLICATE_NL``: a cartesian product filtered by the join keys, no exchange on either
 side), and a step whose result is that small is computed into one partition (``COALESCE(1)``:
 its consumers' tasks, each a Python UDF's start, are not multiplied by the shuffle's
-partitions). Such a step is computed once by the tasks of its inputs and then exchanged into one
-partition (``REPARTITION(1)``) when it reads a relation that is not small (the features, an
-adjacency): one partition coalesced from big inputs was computed by one task, and by each
-executor that read it (every executor's task of a join computed the replicated side).
+partitions). Such a step is computed by the tasks of its inputs and then exchanged into one
+partition (``REPARTITION(1)``) when it reads a relation that is not small other than through an
+aggregation (the features, in a layer's product with its weights): one partition coalesced from
+big inputs was computed by one task, and by each executor that read it (every executor's task of
+a join computed the replicated side).
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ class SparkDialect(Dialect):
         tiles (a task's tile budget). The one-tile relations named in ``scalars`` (lower-case)
         are read as query parameters where they can be (``spark_parameters``); the stored tables
         named in ``inputs`` (lower-case) through views of their own (``Steps.inputs``). If the
-        union reads no relation over a task's tile budget other than through a small step
-        exchanged into one partition (``_big_reads``), the results are computed in as many tasks
+        results fit a task's tile budget and the union reads no relation over it other than
+        through an exchange (``_big_reads``), the results are computed in as many tasks
         as the executors run at once (``slots``), not in a task each (a training step's union of
         a result per target ran in waves): a task then computes several results one after the
         other, and Spark frees some of the memory each took (the rows queued for a Python UDF)
@@ -205,7 +206,9 @@ class SparkDialect(Dialect):
         def finish(body: exp.Expression) -> exp.Select:
             return exp.select("target", *keys, "tile").from_(body.subquery("u"))
 
-        steps = self._steps(query, finish, sizes, inputs, spread=True)
+        fit = all(node.layout == "dense" and node.dtype.itemsize * prod(node.shape) <= self.replicate
+                  for node in results.values())
+        steps = self._steps(query, finish, sizes, inputs, spread=fit)
         steps.nbytes, steps.parameters = nbytes, frozenset(parameters)
         return steps
 
@@ -216,10 +219,11 @@ class SparkDialect(Dialect):
         that call no kernel, wherever they are read), the relations that ``sizes`` (bytes by
         name) says are small not shuffled (``hint``). A view replicated into a join counts as
         read twice: the session keeps it (a local checkpoint), else each task of the join would
-        compute it again, and its inputs. A small step that reads a big relation is exchanged
-        into its one partition (``_exchange_small_steps``). The stored tables named in ``inputs``
-        are read through views named uniquely too (``Steps.inputs``). With ``spread`` the final
-        query runs in ``slots`` tasks if it reads nothing big but through an exchange."""
+        compute it again, and its inputs. A small step that reads a big relation other than
+        through an aggregation is exchanged into its one partition (``_exchange_small_steps``).
+        The stored tables named in ``inputs`` are read through views named uniquely too
+        (``Steps.inputs``). With ``spread`` the final query runs in ``slots`` tasks if it reads
+        nothing big other than through an exchange."""
         key = "with_" if "with_" in query.arg_types else "with"  # sqlglot renamed the argument
         ctes = [(cte.alias, cte.this) for cte in query.args[key].expressions] if query.args.get(key) else []
         body = query.copy()
@@ -295,8 +299,8 @@ class SparkDialect(Dialect):
 
 def _exchange_small_steps(part: exp.Expression, small: set[str]) -> None:
     """Each small step in ``part`` (the innermost first) that reads a relation not named in
-    ``small`` outside an exchange computed in its inputs' partitions and then exchanged into one
-    (``REPARTITION(1)`` for its ``COALESCE(1)``)."""
+    ``small`` other than through an exchange (``_big_reads``) computed in its inputs' partitions
+    and then exchanged into one (``REPARTITION(1)`` for its ``COALESCE(1)``)."""
     for select in reversed(list(part.find_all(exp.Select))):
         if select.meta.get(SMALL_STEP) and _big_reads(select, small):
             for hint in select.args["hint"].expressions:
