@@ -150,9 +150,9 @@ def test_a_small_relation_in_from_is_read_whole_by_a_big_joins_tasks(sdb, monkey
     """A gradient contracted with the features (``nh,nf->fh``: the gradient in ``FROM``, the
     features past a task's tile budget) does not shuffle the features: the gradient, within
     the budget, is read whole by each task of the join (``SHUFFLE_REPLICATE_NL`` on the
-    ``FROM`` side, one partition, kept as a view), and the gradient, computed from the features,
-    is computed in their partitions and exchanged into one (``REPARTITION(1)``), not coalesced
-    into one task. numpy's answers."""
+    ``FROM`` side, one partition, kept as a view), and the hidden layer, small but computed from
+    the features, is computed in their partitions and exchanged into one (``REPARTITION(1)``),
+    not coalesced into one task. numpy's answers."""
     from tra_sql.backends.spark_sql import SparkDialect
 
     g, h, want, hidden = features_gradient(sdb, "f", 400)

@@ -6,11 +6,11 @@ Spark's answers are compared with DuckDB's in
 import re
 
 import numpy as np
-from sqlglot import exp
+from sqlglot import exp, parse_one
 
 import tra_sql
 from tra_sql import train as core
-from tra_sql.backends.spark_sql import SparkDialect
+from tra_sql.backends.spark_sql import EXCHANGED, SparkDialect, _big_reads
 from tra_sql.compile.program import Program
 from tra_sql.optim import Adam
 
@@ -74,11 +74,11 @@ def test_results_merge_while_a_row_fits_a_tasks_tile_budget():
 
 def test_a_small_steps_results_run_in_a_task_per_executor_core():
     """The union of a step's results is coalesced into as many partitions as the executors run
-    tasks at once, not a task per result, when it reads nothing over a task's tile budget but
-    through an exchange: every relation fits (the largest, the features, holds 2,560 bytes), or
-    the features (over the budget) are read only by a step exchanged into one partition and by
-    an aggregation. A union whose results do not fit (W, 192 bytes, over a 100-byte budget), or
-    with the slots unknown, keeps a task per result."""
+    tasks at once, not a task per result, when its results fit a task's tile budget and it reads
+    nothing over that budget other than through an exchange: every relation fits (the largest,
+    the features, holds 2,560 bytes), or the features (over the budget) are read only by a step
+    exchanged into one partition and by an aggregation. A union whose results do not fit (W,
+    192 bytes, over a 100-byte budget), or with the slots unknown, keeps a task per result."""
     def final(dialect):
         with tra_sql.connect() as db:
             program, results = adam_step(db)
@@ -112,10 +112,6 @@ def test_what_a_query_reads_other_than_through_an_exchange():
     """``_big_reads``: a relation outside the small ones, read directly or through a join, but
     not through an aggregation (Spark exchanges its input) or a step exchanged into one
     partition; a table function (``RANGE``) is no relation."""
-    from sqlglot import parse_one
-
-    from tra_sql.backends.spark_sql import EXCHANGED, _big_reads
-
     small = {"w"}
     assert _big_reads(parse_one("SELECT * FROM x JOIN w ON TRUE"), small)
     assert not _big_reads(parse_one("SELECT * FROM w JOIN RANGE(0, 2) AS r(o) ON TRUE"), small)
