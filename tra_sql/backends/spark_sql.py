@@ -43,6 +43,7 @@ from sqlglot import exp
 
 from tra_sql.backends.spark_parameters import scalar_parameters
 from tra_sql.backends.spark_siblings import merge_siblings
+from tra_sql.budget import nbytes
 from tra_sql.compile.dialect import Dialect
 from tra_sql.compile.program import Program
 from tra_sql.graph import Node
@@ -72,7 +73,7 @@ def largest(program: Program) -> int:
     """Bytes of the largest dense relation ``program`` reads or makes (a CSR one's nonzeros
     are not known here; sparse relations are the small ones)."""
     nodes = [node for _, _, step in program.ctes for node in (step, *step.inputs) if node.layout == "dense"]
-    return max((node.dtype.itemsize * prod(node.shape) for node in nodes), default=0)
+    return max((nbytes(node.shape, node.dtype) for node in nodes), default=0)
 
 
 def relation_bytes(program: Program) -> dict[str, int]:
@@ -82,7 +83,7 @@ def relation_bytes(program: Program) -> dict[str, int]:
     for name, _, step in program.ctes:
         for ref, node in [(name, step), *((program.refs[id(n)], n) for n in step.inputs)]:
             if node.layout == "dense":
-                sizes[ref] = node.dtype.itemsize * prod(node.shape)
+                sizes[ref] = nbytes(node.shape, node.dtype)
     return sizes
 
 
@@ -201,15 +202,14 @@ class SparkDialect(Dialect):
         if complete is not None:
             query = merge_siblings(query, program, results, complete, sizes, self.replicate)
         parameters = scalar_parameters(query, scalars)
-        nbytes = largest(program)
 
         def finish(body: exp.Expression) -> exp.Select:
             return exp.select("target", *keys, "tile").from_(body.subquery("u"))
 
-        fit = all(node.layout == "dense" and node.dtype.itemsize * prod(node.shape) <= self.replicate
+        fit = all(node.layout == "dense" and nbytes(node.shape, node.dtype) <= self.replicate
                   for node in results.values())
         steps = self._steps(query, finish, sizes, inputs, spread=fit)
-        steps.nbytes, steps.parameters = nbytes, frozenset(parameters)
+        steps.nbytes, steps.parameters = largest(program), frozenset(parameters)
         return steps
 
     def _steps(self, query: exp.Expression, finish, sizes: dict[str, int] | None = None,
@@ -250,13 +250,14 @@ class SparkDialect(Dialect):
         inlined = {names[name] for name, part in zip(names, parts) if reads[names[name]] == 1 or not _calls(part)}
         _inline(parts, names, inlined)
         kept = [(name, part) for (name, _), part in zip(ctes, parts) if names[name] not in inlined]
-        small = {names.get(ref, views.get(ref.lower(), ref)) for ref, nbytes in (sizes or {}).items()
-                 if nbytes <= self.replicate}
-        for part in [part for _, part in kept] + parts[-1:]:
+        small = {names.get(ref, views.get(ref.lower(), ref)) for ref, size in (sizes or {}).items()
+                 if size <= self.replicate}
+        written = [part for _, part in kept] + parts[-1:]
+        for part in written:
             _exchange_small_steps(part, small)
         if spread and self.slots and not _big_reads(parts[-1], small):
             _add_hint(parts[-1], [exp.Anonymous(this="COALESCE", expressions=[exp.Literal.number(self.slots)])])
-        rendered = [self.render(part) for part in [part for _, part in kept] + parts[-1:]]
+        rendered = [self.render(part) for part in written]
         steps = [(names[name], sql, reads[names[name]]) for (name, _), (sql, _) in zip(kept, rendered)]
         big = frozenset(names[name] for name, _ in kept if (sizes or {}).get(name, self.replicate + 1) > self.replicate)
         return Steps(steps, rendered[-1][0], set().union(*(kernels for _, kernels in rendered)), big=big,
