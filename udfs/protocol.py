@@ -233,7 +233,7 @@ SIGNATURES: dict[str, Signature] = {
     "place": Signature(lambda n, k: (META, KEYS, f"STRUCT(origin {KEYS}, shape {KEYS}, part INTEGER, tile {TILE})[]")),
     "fill": Signature(lambda n, k: (META, KEYS)),
     # grouped aggregates (Spark): a group's rows come in batches
-    "einsum_group": Signature(lambda n, k: (META, KEYS, *_pairs(n)), numbered=True),
+    "einsum_group": Signature(lambda n, k: (META, KEYS, *_pairs(n), *_pairs(k)), numbered=True),
     "reduce_group": Signature(lambda n, k: (META, TILE)),
     # element-level functions for SQL users and the front ends (see ``tra_sql.udfs.elements``)
     "tile_values": Signature(lambda n, k: (TILE, "VARCHAR"), "DOUBLE[]"),

@@ -44,7 +44,8 @@ from sqlglot import exp
 from tra_sql.backends.spark_parameters import scalar_parameters
 from tra_sql.backends.spark_siblings import merge_siblings
 from tra_sql.budget import nbytes
-from tra_sql.compile.dialect import Dialect
+from tra_sql.compile.blocks import call, grouped, key, list_of_structs, struct_field
+from tra_sql.compile.dialect import Dialect, selected_tile, with_ctes_of
 from tra_sql.compile.program import Program
 from tra_sql.graph import Node
 from tra_sql.udfs.protocol import FILL, REDUCE_GROUP, EinsumStep, Kernel
@@ -67,6 +68,24 @@ def group_bytes(step: EinsumStep) -> int:
     per_row = sum(prod(step.tiles[c] for c in sub) * np.dtype(dtype).itemsize
                   for sub, dtype in zip(step.inputs, step.dtypes))
     return per_row * _groups(step)
+
+
+def lists_inputs(step: EinsumStep) -> bool:
+    """Whether a split aggregation ``step`` costs less on Spark as one aggregate of each group's
+    joined input tiles (``tra_einsum_agg_<n>``) than as per-row partial results aggregated
+    (``tra_reduce``): a partial result leaves a Python worker, is shuffled and enters one again,
+    where a joined row's input tiles are shuffled once (and enter a Python worker either way),
+    so listing them costs less whenever they hold no more bytes than the partial result,
+    whatever a shuffled byte costs against one through Arrow. A CSR tile counts as nothing here
+    (its nonzeros are not known; a relation is stored CSR because they are few): a sparse
+    adjacency's product with dense features lists its inputs. CSR results, and steps with a
+    prologue, keep their partials."""
+    if step.out_layout != "dense" or step.prologue:
+        return False
+    layouts = step.layouts or ("dense",) * len(step.inputs)
+    inputs = sum(prod(step.tiles[c] for c in sub) * np.dtype(dtype).itemsize
+                 for sub, dtype, layout in zip(step.inputs, step.dtypes, layouts) if layout == "dense")
+    return inputs <= prod(step.tiles[c] for c in step.output) * np.dtype(step.out_dtype).itemsize
 
 
 def largest(program: Program) -> int:
@@ -139,28 +158,63 @@ class SparkDialect(Dialect):
 
     name = "spark"
     materialized = False
-    fuses_contractions = False  # no native aggregates: split BLAS products stay partials + tra_reduce
 
     def __init__(self, limit: int = GROUP_BYTES, replicate: float = 0, slots: int = 0):
         self.limit = limit  # the most bytes of tiles a group may hold in one row
         self.replicate = replicate  # relations of at most this many bytes are not shuffled
         self.slots = slots  # tasks the executors run at once (0: not known)
 
+    def fuse(self, select: exp.Select) -> exp.Select:
+        """``select`` as one aggregate of its joined input tiles, ``SELECT k.., tra_einsum_agg_<n>(
+        step, keys, ARRAY_AGG({keys0, tile0, ...}), ANY_VALUE(e0), ...) FROM <join> GROUP BY k..``,
+        if it aggregates per-row partial results, ``SELECT k.., tra_reduce(step, keys,
+        ARRAY_AGG(tile), ANY_VALUE(e0), ...) FROM (SELECT k.., tra_einsum_<n>(...) AS tile, e0, ...
+        FROM <join>) GROUP BY k..`` (``einsum.partials_first``), that cost more here
+        (``lists_inputs``). The two SELECTs' hints go to the one."""
+        tile = selected_tile(select)
+        source = select.args.get("from_")
+        if not isinstance(tile, exp.Anonymous) or "kernel" not in tile.meta or tile.meta["kernel"].kind != "reduce" \
+                or not lists_inputs(tile.meta["step"]) or select.args.get("joins") or select.args.get("where") \
+                or source is None or not isinstance(source.this, exp.Subquery) \
+                or not isinstance(source.this.this, exp.Select) or source.this.this.args.get("group"):
+            return select
+        inner = source.this.this
+        partial = selected_tile(inner)
+        if not isinstance(partial, exp.Anonymous) or partial.meta.get("kernel") is None \
+                or partial.meta["kernel"].kind not in ("einsum", "contract"):
+            return select
+        kernel, step = tile.meta["kernel"], tile.meta["step"]
+        columns = {e.alias: e.this for e in inner.expressions if isinstance(e, exp.Alias)}
+        extras = [exp.AnyValue(this=columns[arg.this.name].copy()) for arg in tile.expressions[3:]]
+        operands = partial.expressions[2:]
+        fields = [struct_field(f"{kind}{m}", operands[2 * m + i].copy())
+                  for m in range(len(operands) // 2) for i, kind in enumerate(("keys", "tile"))]
+        agg = call(Kernel("einsum_agg", partial.meta["kernel"].arity, kernel.epilogue), step,
+                   [partial.expressions[1].copy(), list_of_structs(fields), *extras])
+        names = {key(d) for d in range(len(step.output))}
+        keys = [e for e in inner.expressions if isinstance(e, exp.Alias) and e.alias in names]
+        fused = grouped(inner.copy().select(*[k.copy() for k in keys], exp.alias_(agg, "tile"), append=False),
+                        [k.this for k in keys])
+        if select.args.get("hint"):  # (the inner SELECT's are the copy's)
+            _add_hint(fused, [hint.copy() for hint in select.args["hint"].expressions])
+        return with_ctes_of(select, fused)
+
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """``node`` as a grouped aggregate UDF call if its groups exceed ``limit`` bytes."""
         kernel, step = node.meta["kernel"], node.meta["step"]
         args = node.expressions
-        if kernel.epilogue or len(args) != 3 or not isinstance(args[2], exp.ArrayAgg):
+        if len(args) < 3 or not isinstance(args[2], exp.ArrayAgg):
             return node
         if kernel.kind == "reduce":
-            if step.out_layout != "dense" or partial_bytes(step) <= self.limit:
+            if kernel.epilogue or step.out_layout != "dense" or partial_bytes(step) <= self.limit:
                 return node  # CSR partials stay a list
             grouped, rest = REDUCE_GROUP, [args[2].this.copy()]
         elif kernel.kind == "einsum_agg":
             if group_bytes(step) <= self.limit:
                 return node
-            grouped, rest = Kernel("einsum_group", kernel.arity), \
-                [args[1].copy(), *(f.expression.copy() for f in args[2].this.expressions)]
+            grouped, rest = Kernel("einsum_group", kernel.arity, kernel.epilogue), \
+                [args[1].copy(), *(f.expression.copy() for f in args[2].this.expressions),
+                 *(extra.this.copy() for extra in args[3:])]  # an epilogue operand: each row of a group has it
         else:
             return node
         ungrouped = exp.Anonymous(this=grouped.name, expressions=[args[0].copy(), *rest])

@@ -70,15 +70,37 @@ def _fold(name: str, batches) -> bytes:
 
 
 def einsum_group(batches) -> bytes:
-    """``tra_einsum_group_<n>(meta, out_keys, keys_0, tile_0, ...)``, a grouped aggregate: the
-    joined rows of one output tile come in batches; each batch is one kernel call per row
-    (``tra_einsum_<n>``'s) whose products are reduced with the step's aggregate."""
-    from tra_sql.udfs.einsum_kernels import einsum_rows
+    """``tra_einsum_group_<n>[_<k>](meta, out_keys, keys_0, tile_0, ..., keys_<n-1>, tile_<n-1>,
+    then the keys and tile of each of k epilogue operands)``, a grouped aggregate: the joined
+    rows of one output tile come in batches; each batch is one kernel call per row
+    (``tra_einsum_<n>``'s, without the step's epilogue) whose products are reduced with the
+    step's aggregate; then the epilogue, if any, over the epilogue operands of the group's first
+    row (every row of a group has the same: they are joined on the output keys)."""
+    import dataclasses
+
+    from tra_sql.udfs.arrowio import first_string
+    from tra_sql.udfs.einsum_kernels import einsum_rows, reduce_partials
+    from tra_sql.udfs.protocol import EinsumStep
 
     _settle()
-    products = ((meta_col, einsum_rows(meta_col, keys_col, *operands))
-                for meta_col, keys_col, *operands in batches if len(meta_col))
-    return _fold("tra_einsum_group", products)
+    first: list = []  # the group's first row: meta, output keys and epilogue operands
+
+    def products():
+        for meta_col, keys_col, *columns in batches:
+            if not len(meta_col):
+                continue
+            step = EinsumStep.decode(first_string(meta_col))
+            own = 2 * len(step.present)
+            if not first:
+                first.append((meta_col.slice(0, 1), keys_col.slice(0, 1), [c.slice(0, 1) for c in columns[own:]]))
+            plain = pa.array([dataclasses.replace(step, epilogue=None).encode()]) if step.epilogue else meta_col
+            yield meta_col, einsum_rows(plain, keys_col, *columns[:own])
+
+    tile = _fold("tra_einsum_group", products())
+    meta, keys, epilogue = first[0]
+    if not epilogue:
+        return tile
+    return reduce_partials(meta, keys, pa.array([[tile]], pa.list_(pa.large_binary())), *epilogue)[0].as_py()
 
 
 def reduce_group(batches) -> bytes:

@@ -1,7 +1,8 @@
 """How a program's SQL is written for one engine: a ``Dialect`` renders the compiled query,
 giving each kernel call a chance to take the engine's form (``call``) and, first, each split
-sum of BLAS products the form of one fused aggregate (``fuse``). DuckDB's is the base; an
-engine with quirks subclasses it (Spark: ``tra_sql.backends.spark_sql.SparkDialect``)."""
+aggregation the form that costs least on the engine (``fuse``: DuckDB's writes a split sum of
+BLAS products as one fused aggregate). DuckDB's is the base; an engine with quirks subclasses
+it (Spark: ``tra_sql.backends.spark_sql.SparkDialect``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _fusible(node: exp.Expression, kind: str) -> bool:
             and step.out_layout == "dense")
 
 
-def _tile(select: exp.Select) -> exp.Expression | None:
+def selected_tile(select: exp.Select) -> exp.Expression | None:
     """The expression ``select`` selects as ``tile``."""
     return next((e.this for e in select.expressions if isinstance(e, exp.Alias) and e.alias == "tile"), None)
 
@@ -35,7 +36,6 @@ class Dialect:
 
     name = "duckdb"
     materialized = True  # whether CTEs are written ``AS MATERIALIZED``
-    fuses_contractions = True  # whether ``fuse`` writes split sums of BLAS products as one aggregate
 
     def fuse(self, select: exp.Select) -> exp.Select:
         """``select`` as one grouped call of the fused contraction aggregate
@@ -46,7 +46,7 @@ class Dialect:
         keys, ARRAY_AGG({keys0, tile0, keys1, tile1})) FROM <join> GROUP BY k..`` of a step in
         gemm form (``contract.gemm_form``), which becomes ``SELECT k.., tra_contract_agg_<dtype>(
         step, keys, keys0, tile0, keys1, tile1) FROM <join> GROUP BY k..``."""
-        tile = _tile(select)
+        tile = selected_tile(select)
         if _fusible(tile, "einsum_agg") and tile.meta["kernel"].arity == 2 \
                 and _product(tile.meta["step"]) and isinstance(tile.expressions[2], exp.ArrayAgg):
             fields = tile.expressions[2].this.expressions
@@ -58,16 +58,13 @@ class Dialect:
                 or not isinstance(source.this, exp.Subquery) or not isinstance(source.this.this, exp.Select):
             return select
         inner = source.this.this
-        partial = _tile(inner)
+        partial = selected_tile(inner)
         if partial is None or partial.meta.get("kernel") != CONTRACT or inner.args.get("group") \
                 or not _product(partial.meta["step"]):
             return select
         partial.replace(_fused(partial.meta["step"], partial.expressions[1:]))
         fused = grouped(inner, [e.this for e in inner.expressions if isinstance(e, exp.Alias) and e.alias != "tile"])
-        for key in ("with_", "with"):  # the outer SELECT's CTEs, if it has them (sqlglot renamed the argument)
-            if key in select.arg_types and select.args.get(key):
-                fused.set(key, select.args[key])
-        return fused
+        return with_ctes_of(select, fused)
 
     def call(self, node: exp.Anonymous) -> exp.Expression:
         """The engine's form of a kernel call (``blocks.call``): ``tra_einsum_<n>`` of a step
@@ -108,11 +105,11 @@ class Dialect:
         return node if reduction is None else call(reduction, step, [args[1].copy(), args[2].this.copy()])
 
     def render(self, query: exp.Expression, pretty: bool = False) -> tuple[str, set[Kernel]]:
-        """``query``'s text in this dialect, with its split sums of BLAS products fused (where
-        ``fuses_contractions``, unless ``passes.fusions`` switched ``contractions`` off) and its
-        kernel calls in their engine's form, and the kernels it calls (``query`` is rewritten in
-        place: pass a copy of your own)."""
-        if self.fuses_contractions and "contractions" in passes.enabled:
+        """``query``'s text in this dialect, with its split aggregations in the engine's form
+        (``fuse``, unless ``passes.fusions`` switched ``contractions`` off) and its kernel calls
+        too (``call``), and the kernels it calls (``query`` is rewritten in place: pass a copy of
+        your own)."""
+        if "contractions" in passes.enabled:
             for select in reversed(list(query.find_all(exp.Select))):  # the innermost first
                 fused = self.fuse(select)
                 if select is query:
@@ -122,6 +119,14 @@ class Dialect:
         query = query.transform(lambda node: self.call(node)
                                 if isinstance(node, exp.Anonymous) and "kernel" in node.meta else node, copy=False)
         return query.sql(dialect=self.name, pretty=pretty), kernels_called(query)
+
+
+def with_ctes_of(select: exp.Select, fused: exp.Select) -> exp.Select:
+    """``fused`` (what ``fuse`` made of ``select``) with ``select``'s CTEs, if it has them."""
+    for key in ("with_", "with"):  # sqlglot renamed the argument
+        if key in select.arg_types and select.args.get(key):
+            fused.set(key, select.args[key])
+    return fused
 
 
 def _product(step) -> bool:

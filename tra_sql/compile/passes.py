@@ -6,8 +6,10 @@ pass over the DAG's steps: it takes the steps (in topological order) and the con
 of the program as written, and returns the steps with some replaced by ``Fused`` nodes;
 ``program.PASSES`` runs them in that fixed order. The two ways of a split aggregation,
 ``partials`` and ``agg_inputs``, are choices of the einsum lowering (``partials_first``);
-``contractions`` is DuckDB's dialect writing a split sum of BLAS products as the fused
-contraction aggregate (``dialect.Dialect.fuse``), ``loops`` its writing a per-row step over dense
+``contractions`` is a dialect writing a split aggregation in its engine's form
+(``dialect.Dialect.fuse``: DuckDB's fused contraction aggregate for a split sum of BLAS products,
+Spark's one aggregate of the joined input tiles where per-row partial results would move more
+bytes), ``loops`` DuckDB's writing a per-row step over dense
 float tiles as the native loop kernel ``tra_loop_<n>`` (``dialect.Dialect.call``).
 """
 
@@ -22,7 +24,7 @@ from tra_sql.graph import Node
 
 #: The fusions ``Program.compile`` may make: ``attention``, ``prologue``, ``epilogue``, ``chain``;
 #: the two ways of a split aggregation, ``partials`` and ``agg_inputs`` (see ``partials_first``);
-#: and DuckDB's dialect's fused contraction aggregate, ``contractions``, and native loops, ``loops``.
+#: and the dialects' forms of split aggregations, ``contractions``, and DuckDB's native loops, ``loops``.
 FUSIONS = frozenset({"attention", "prologue", "epilogue", "chain", "partials", "agg_inputs", "contractions", "loops"})
 enabled = FUSIONS
 
@@ -33,8 +35,8 @@ def fusions(off=()):
     not thread-safe): ``with passes.fusions(off={"epilogue"}): C.numpy()`` runs C with every
     element-wise step as a step of its own. Off ``partials``, a split aggregation always
     aggregates its input tiles (but for CSR results); off ``agg_inputs``, it always aggregates
-    the partial results; not both. Off ``contractions``, DuckDB's dialect leaves split sums of
-    BLAS products as the lowering chose them; off ``loops``, per-row steps ``tra_einsum_<n>``
+    the partial results; not both. Off ``contractions``, every dialect leaves split aggregations as
+    the lowering chose them; off ``loops``, per-row steps ``tra_einsum_<n>``
     (the Arrow UDF on either kernel path)."""
     global enabled
     off = frozenset(off)
