@@ -268,13 +268,15 @@ def test_random_programs_on_spark(spark, data):
     """A small sample of random programs (no absent tiles: they are deleted in DuckDB SQL) on
     Spark local[2]: numpy(), arrow() and store(), through the SQL front end, as a training step's
     root (its one job; planned as usual, and planned ahead over a kept copy of its inputs),
-    unplanned and under a tight (staged) plan."""
+    unplanned and under a tight (staged) plan, and with split aggregations as the lowering chose
+    them (``contractions`` off: no listing of joined inputs, ``SparkDialect.fuse``)."""
     program = data.draw(programs(absent=False, ops=(1, 3)))
     paths = ["got = {v}.numpy(plan=False)", "got = dense({v}, {v}.arrow())",
              'got = {v}.store("{v}_stored").numpy(plan=False)', "got = via_sql({v})",
              "got = dense({v}, spark_stepped({v}))", "got = dense({v}, spark_stepped({v}, ahead=True))",
              'plan = db.plan({v}, workers=2, memory="16KB")\ngot = dense({v}, {v}.arrow(plan=plan))',
-             'got = {v}.store("{v}_planned", plan=db.plan({v}, workers=2, memory="16KB")).numpy(plan=False)']
+             'got = {v}.store("{v}_planned", plan=db.plan({v}, workers=2, memory="16KB")).numpy(plan=False)',
+             "with tra_sql.compile.passes.fusions(off={'contractions'}):\n    got = {v}.numpy(plan=False)"]
     try:
         run_paths(program, spark, paths)
     finally:

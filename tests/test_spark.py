@@ -478,6 +478,44 @@ def test_relation_and_sparse_gradient(sdb, duck):
     np.testing.assert_allclose(g_c.numpy(), (dpre @ (x @ w0).T) * (adjacency != 0), rtol=1e-10)
 
 
+def test_a_split_aggregation_listing_its_inputs_equals_numpy(sdb, duck):
+    """A GCN layer on Spark, ReLU(A·(X·W) + b) over a CSR adjacency in 5x5 tiles: its split sum
+    lists each group's joined tiles (``SparkDialect.fuse``) with the bias and ReLU after it, as
+    one aggregate and, over the group budget, as the grouped UDF; a max over split products too.
+    The layer, its gradients at W and at the adjacency's entries, and the max equal NumPy's."""
+    rng = np.random.default_rng(3)  # (entries in each of the 3x3 tiles: no zero tiles to complete)
+    dst, src = np.divmod(rng.choice(144, 30, replace=False), 12)
+    w = rng.standard_normal(30)
+    adjacency = np.zeros((12, 12))
+    np.add.at(adjacency, (dst, src), w)
+    x, w0, a, b = (rng.standard_normal(shape) for shape in ((12, 5), (5, 4), (6, 9), (9, 4)))
+    duck.engine.con.execute("CREATE TABLE ledges AS SELECT * FROM (SELECT unnest(?) AS dst, unnest(?) AS src, "
+                            "unnest(?) AS w)", [dst.tolist(), src.tolist(), w.tolist()]).fetchall()
+    transfer.copy(duck, sdb, "ledges", replace=True)
+    c = sdb.relation("ledges", ("dst", "src"), "w", (12, 12), name="lC", layout="csr", tile=(5, 5), replace=True)
+    weight = sdb.from_numpy("lW", w0, replace=True)
+    h = sdb.einsum("mh,h->mh", sdb.einsum("mn,nh->mh", c, sdb.einsum("nf,fh->nh", sdb.from_numpy(
+        "lX", x, tile=(5, 5), replace=True), weight)), sdb.from_numpy("lbias", np.full(4, 0.1), replace=True),
+        join="greatest(x0 + x1, 0)")
+    g_w, g_c = sdb.grad(sdb.einsum("mh,mh->", h, h), [weight, c])
+    top = sdb.einsum("ij,jk->ik", sdb.from_numpy("lA", a, tile=(3, 1), replace=True),
+                     sdb.from_numpy("lB", b, tile=(1, 4), replace=True), agg="max", join="x0 * x1")
+    pre = adjacency @ x @ w0 + 0.1
+    dpre = 2 * np.maximum(pre, 0) * (pre > 0)
+    try:
+        for limit, form in ((spark_sql.GROUP_BYTES, "TRA_EINSUM_AGG_2"), (0, "TRA_EINSUM_GROUP_2")):
+            sdb.engine.group_bytes = limit
+            for tensor, epilogue in ((h, "_1("), (top, "(")):
+                text = sdb.engine.sql_text(tensor.program())
+                assert form + epilogue in text and "TRA_REDUCE" not in text
+            np.testing.assert_allclose(h.numpy(), np.maximum(pre, 0), rtol=1e-10)
+            np.testing.assert_allclose(g_w.numpy(), (adjacency @ x).T @ dpre, rtol=1e-10)
+            np.testing.assert_allclose(g_c.numpy(), (dpre @ (x @ w0).T) * (adjacency != 0), rtol=1e-10)
+            np.testing.assert_allclose(top.numpy(), (a[:, :, None] * b[None]).max(axis=1), rtol=1e-12)
+    finally:
+        sdb.engine.group_bytes = spark_sql.GROUP_BYTES
+
+
 # -- a standalone cluster: a master and two workers on 127.0.0.1 -------------------------------
 
 def test_cluster_equals_duckdb(cdb, duck):

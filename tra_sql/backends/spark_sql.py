@@ -15,7 +15,9 @@ MB-sized tiles. Where a group's tiles exceed the dialect's ``limit``, the step b
 aggregate UDF instead, ``tra_einsum_group_<n>(meta, keys, keys0, tile0, ...)`` or
 ``tra_reduce_group(meta, tile)``, which Spark feeds a group's rows in bounded batches after
 sorting by the group keys (see ``spark_udfs``). Small tiles keep the list, which batches
-many groups into one kernel call.
+many groups into one kernel call. Of the two, a split aggregation lists its joined input tiles
+where they hold no more bytes than a partial result (``SparkDialect.fuse``): a partial result
+goes through Arrow twice and a shuffle, the inputs through a shuffle.
 
 Small relations (at most the dialect's ``replicate`` bytes: a few tiles, such as a layer's
 weights, a bias, an optimizer's moments) are not shuffled: a join's right side that small (or
