@@ -95,3 +95,25 @@ def test_the_listing_keeps_the_steps_hints():
     assert "TRA_EINSUM_AGG_2" in text and "TRA_REDUCE" not in text
     assert re.search(r"SELECT /\*\+ SHUFFLE_REPLICATE_NL\(\w+\), COALESCE\(1\) \*/ x0\.k0 AS k0, x1\.k1 AS k1, "
                      r"TRA_EINSUM_AGG_2", text)
+
+
+def test_a_small_step_listing_a_big_relations_tiles_is_exchanged():
+    """A listed aggregation computes its products after its exchange, in its own tasks: a small
+    result (a GCN layer, 12x3) listing a big relation's tiles (the adjacency: CSR, its size not
+    known) is computed in the aggregation's partitions and then exchanged into one
+    (``REPARTITION(1)``), not coalesced into one task that every executor reading it would run.
+    Aggregating partial products instead (``contractions`` off), the products come before the
+    exchange: coalesced."""
+    with tra_sql.connect() as db:
+        db.engine.con.execute("CREATE TABLE edges AS SELECT range AS dst, (range * 7) % 12 AS src, 1.0 AS w "
+                              "FROM range(12)")
+        adjacency = db.relation("edges", ("dst", "src"), "w", (12, 12), name="Adj", layout="csr", tile=(4, 4))
+        features = put(db, "H", (12, 3), (4, 3))
+        layer = db.einsum("mh,mh->mh", *[db.einsum("mn,nh->mh", adjacency, features)] * 2)  # read twice: a view
+        program = Program.compile(layer.node)
+        listed = SparkDialect(replicate=1 << 20).steps(program).text()
+        with passes.fusions(off={"contractions"}):
+            partials = SparkDialect(replicate=1 << 20).steps(program).text()
+    assert re.search(r"SELECT /\*\+ SHUFFLE_REPLICATE_NL\(x1\), REPARTITION\(1\) \*/ x0\.k0 AS k0, x1\.k1 AS k1, "
+                     r"TRA_EINSUM_AGG_2\(", listed)
+    assert "REPARTITION" not in partials and re.search(r"COALESCE\(1\) \*/ k0 AS k0, k1 AS k1, TRA_REDUCE\(", partials)

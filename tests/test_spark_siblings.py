@@ -13,6 +13,7 @@ from tra_sql import train as core
 from tra_sql.backends.spark_sql import EXCHANGED, SparkDialect, _big_reads
 from tra_sql.compile.program import Program
 from tra_sql.optim import Adam
+from tra_sql.udfs.protocol import Kernel
 
 
 def adam_step(db):
@@ -110,13 +111,16 @@ def test_a_small_step_of_big_inputs_is_exchanged_into_one_partition():
 
 def test_what_a_query_reads_other_than_through_an_exchange():
     """``_big_reads``: a relation outside the small ones, read directly or through a join, but
-    not through an aggregation (Spark exchanges its input) or a step exchanged into one
-    partition; a table function (``RANGE``) is no relation."""
+    not through an aggregation (Spark exchanges its input) of tiles computed before it, or a
+    step exchanged into one partition; a table function (``RANGE``) is no relation."""
     small = {"w"}
     assert _big_reads(parse_one("SELECT * FROM x JOIN w ON TRUE"), small)
     assert not _big_reads(parse_one("SELECT * FROM w JOIN RANGE(0, 2) AS r(o) ON TRUE"), small)
     assert not _big_reads(parse_one("SELECT k, COLLECT_LIST(t) FROM x GROUP BY k"), small)
     assert not _big_reads(parse_one("SELECT * FROM w JOIN (SELECT SUM(t) AS t FROM x) AS g ON TRUE"), small)
+    listing = parse_one("SELECT k, TRA_EINSUM_AGG_2(m, k, COLLECT_LIST(t)) FROM x GROUP BY k")
+    listing.find(exp.Anonymous).meta["kernel"] = Kernel("einsum_agg", 2)  # its products come after the exchange
+    assert _big_reads(listing, small) and not _big_reads(listing, {"x"})
     exchanged = parse_one("SELECT * FROM w JOIN (SELECT t FROM x) AS s ON TRUE")
     assert _big_reads(exchanged, small)
     exchanged.find(exp.Subquery).this.meta[EXCHANGED] = True

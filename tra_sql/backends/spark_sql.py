@@ -27,9 +27,10 @@ side), and a step whose result is that small is computed into one partition (``C
 its consumers' tasks, each a Python UDF's start, are not multiplied by the shuffle's
 partitions). Such a step is computed by the tasks of its inputs and then exchanged into one
 partition (``REPARTITION(1)``) when it reads a relation that is not small other than through an
-aggregation (the features, in a layer's product with its weights): one partition coalesced from
-big inputs was computed by one task, and by each executor that read it (every executor's task of
-a join computed the replicated side).
+aggregation of tiles computed before it (the features, in a layer's product with its weights; the
+adjacency, in its product listed per group): one partition coalesced from big inputs was computed
+by one task, and by each executor that read it (every executor's task of a join computed the
+replicated side).
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ class SparkDialect(Dialect):
         replicated: set[str] = set()
 
         def renamed(select: exp.Expression, name: str | None = None) -> exp.Expression:
-            select = self.hint(_literal_fills(select.copy()), sizes or {}, name, replicated)
+            select = self.hint(_literal_fills(self.fused(select.copy())), sizes or {}, name, replicated)
             for table in select.find_all(exp.Table):
                 if table.db:
                     continue
@@ -370,14 +371,23 @@ def _big_reads(select: exp.Expression, small: set[str]) -> bool:
     """Whether ``select`` reads a table not named in ``small`` other than through an exchange:
     a step exchanged into one partition (``_exchange_small_steps``), or an aggregation (Spark
     exchanges its input by its keys: a tile relation's scan, and a join with a side read whole,
-    have no partitioning of their own)."""
+    have no partitioning of their own) of tiles computed before it. An aggregation whose kernel
+    takes each group's joined input tiles (``tra_einsum_agg_<n>``, ``tra_attention_<n>``)
+    computes its products after that exchange, in its own tasks: what it reads counts."""
     def reads(node: exp.Expression) -> bool:
         if isinstance(node, exp.Table):  # a relation, or a table function (``RANGE``)
             return isinstance(node.this, exp.Identifier) and node.name not in small
-        if isinstance(node, exp.Select) and (node is not select and node.meta.get(EXCHANGED) or _aggregates(node)):
+        if isinstance(node, exp.Select) and (node is not select and node.meta.get(EXCHANGED)
+                                             or _aggregates(node) and not _lists_tiles(node)):
             return False
         return any(reads(child) for child in node.iter_expressions())
     return reads(select)
+
+
+def _lists_tiles(select: exp.Select) -> bool:
+    """Whether ``select`` calls a kernel on each group's list of joined input tiles."""
+    return any(node.meta["kernel"].kind in ("einsum_agg", "attention") for column in select.expressions
+               for node in column.find_all(exp.Anonymous) if "kernel" in node.meta)
 
 
 def _aggregates(select: exp.Select) -> bool:

@@ -104,20 +104,25 @@ class Dialect:
         reduction = tile_reduction(step.agg, step.out_dtype)
         return node if reduction is None else call(reduction, step, [args[1].copy(), args[2].this.copy()])
 
+    def fused(self, query: exp.Expression) -> exp.Expression:
+        """``query`` with its split aggregations in the engine's form (``fuse``, the innermost
+        first), unless ``passes.fusions`` switched ``contractions`` off (rewritten in place)."""
+        if "contractions" not in passes.enabled:
+            return query
+        for select in reversed(list(query.find_all(exp.Select))):
+            fused = self.fuse(select)
+            if select is query:
+                query = fused
+            elif fused is not select:
+                select.replace(fused)
+        return query
+
     def render(self, query: exp.Expression, pretty: bool = False) -> tuple[str, set[Kernel]]:
         """``query``'s text in this dialect, with its split aggregations in the engine's form
-        (``fuse``, unless ``passes.fusions`` switched ``contractions`` off) and its kernel calls
-        too (``call``), and the kernels it calls (``query`` is rewritten in place: pass a copy of
-        your own)."""
-        if "contractions" in passes.enabled:
-            for select in reversed(list(query.find_all(exp.Select))):  # the innermost first
-                fused = self.fuse(select)
-                if select is query:
-                    query = fused
-                elif fused is not select:
-                    select.replace(fused)
-        query = query.transform(lambda node: self.call(node)
-                                if isinstance(node, exp.Anonymous) and "kernel" in node.meta else node, copy=False)
+        (``fused``) and its kernel calls too (``call``), and the kernels it calls (``query`` is
+        rewritten in place: pass a copy of your own)."""
+        query = self.fused(query).transform(lambda node: self.call(node) if isinstance(node, exp.Anonymous)
+                                            and "kernel" in node.meta else node, copy=False)
         return query.sql(dialect=self.name, pretty=pretty), kernels_called(query)
 
 
