@@ -9,8 +9,8 @@ of the program as written, and returns the steps with some replaced by ``Fused``
 ``contractions`` is a dialect writing a split aggregation in its engine's form
 (``dialect.Dialect.fuse``: DuckDB's fused contraction aggregate for a split sum of BLAS products,
 Spark's one aggregate of the joined input tiles where per-row partial results would move more
-bytes), ``loops`` DuckDB's writing a per-row step over dense
-float tiles as the native loop kernel ``tra_loop_<n>`` (``dialect.Dialect.call``).
+bytes), ``loops`` DuckDB's writing a per-row step over dense float tiles as the native loop
+kernel ``tra_loop_<n>`` (``dialect.Dialect.call``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def fusions(off=()):
     not thread-safe): ``with passes.fusions(off={"epilogue"}): C.numpy()`` runs C with every
     element-wise step as a step of its own. Off ``partials``, a split aggregation always
     aggregates its input tiles (but for CSR results); off ``agg_inputs``, it always aggregates
-    the partial results; not both. Off ``contractions``, every dialect leaves split aggregations as
-    the lowering chose them; off ``loops``, per-row steps ``tra_einsum_<n>``
+    the partial results; not both. Off ``contractions``, every dialect leaves split
+    aggregations as the lowering chose them; off ``loops``, per-row steps ``tra_einsum_<n>``
     (the Arrow UDF on either kernel path)."""
     global enabled
     off = frozenset(off)
