@@ -67,9 +67,9 @@ def test_a_csr_tile_counts_as_nothing_and_the_epilogue_comes_along():
 
 
 def test_what_keeps_its_partial_results():
-    """A split aggregation whose result is CSR (a sum sampled at a CSR relation's entries) keeps its partial
-    results on Spark; DuckDB's dialect fuses a split sum of products its own way (one native
-    aggregate), whatever Spark's would list."""
+    """A split aggregation whose result is CSR (a sum sampled at a CSR relation's entries)
+    keeps its partial results on Spark; DuckDB's dialect fuses a split sum of products its own
+    way (one native aggregate), whatever Spark's would list."""
     with tra_sql.connect() as db:
         db.engine.con.execute("CREATE TABLE pattern AS SELECT range AS i, (range * 5) % 8 AS j, 1.0 AS w "
                               "FROM range(8)")
