@@ -121,6 +121,8 @@ def test_what_a_query_reads_other_than_through_an_exchange():
     listing = parse_one("SELECT k, TRA_EINSUM_AGG_2(m, k, COLLECT_LIST(t)) FROM x GROUP BY k")
     listing.find(exp.Anonymous).meta["kernel"] = Kernel("einsum_agg", 2)  # its products come after the exchange
     assert _big_reads(listing, small) and not _big_reads(listing, {"x"})
+    listing.find(exp.Anonymous).meta["kernel"] = Kernel("attention", 3)  # so does an attention's
+    assert _big_reads(listing, small)
     exchanged = parse_one("SELECT * FROM w JOIN (SELECT t FROM x) AS s ON TRUE")
     assert _big_reads(exchanged, small)
     exchanged.find(exp.Subquery).this.meta[EXCHANGED] = True

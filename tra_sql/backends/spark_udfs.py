@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import re
 
+import numpy as np
 import pyarrow as pa
 
 from tra_sql import errors
@@ -47,9 +48,10 @@ def _batch_udf(function, empty: pa.DataType):
     return udf
 
 
-def _fold(name: str, batches) -> bytes:
-    """One output tile from ``(meta column, tile column)`` batches of partial results, each
-    reduced with the step's aggregate, then reduced in turn. Memory: one batch at a time."""
+def _fold(name: str, batches) -> np.ndarray:
+    """One output tile (its elements, flat) from ``(meta column, tile column)`` batches of
+    partial results, each reduced with the step's aggregate, then reduced in turn. Memory: one
+    batch at a time."""
     from tra_sql.aggregates import AGGREGATES
     from tra_sql.udfs.arrowio import binary_views, first_string
     from tra_sql.udfs.protocol import EinsumStep
@@ -66,7 +68,7 @@ def _fold(name: str, batches) -> bytes:
         out = part if out is None else combine(out, part, out=out)
     if out is None:
         raise ValueError(f"{name}: an empty group")
-    return out.tobytes()
+    return out
 
 
 def einsum_group(batches) -> bytes:
@@ -78,36 +80,38 @@ def einsum_group(batches) -> bytes:
     row (every row of a group has the same: they are joined on the output keys)."""
     import dataclasses
 
-    from tra_sql.udfs.arrowio import first_string
+    from tra_sql.udfs.arrowio import binary_array, first_string
     from tra_sql.udfs.einsum_kernels import einsum_rows, reduce_partials
     from tra_sql.udfs.protocol import EinsumStep
 
     _settle()
-    first: list = []  # the group's first row: meta, output keys and epilogue operands
+    first = {}  # of the group's first row: meta, output keys, epilogue operands; the step without epilogue
 
     def products():
         for meta_col, keys_col, *columns in batches:
             if not len(meta_col):
                 continue
-            step = EinsumStep.decode(first_string(meta_col))
-            own = 2 * len(step.present)
             if not first:
-                first.append((meta_col.slice(0, 1), keys_col.slice(0, 1), [c.slice(0, 1) for c in columns[own:]]))
-            plain = pa.array([dataclasses.replace(step, epilogue=None).encode()]) if step.epilogue else meta_col
-            yield meta_col, einsum_rows(plain, keys_col, *columns[:own])
+                step = EinsumStep.decode(first_string(meta_col))
+                own = 2 * len(step.present)
+                first.update(meta=meta_col.slice(0, 1), keys=keys_col.slice(0, 1), own=own,
+                             epilogue=[c.slice(0, 1) for c in columns[own:]],
+                             plain=pa.array([dataclasses.replace(step, epilogue=None).encode()]))
+            yield meta_col, einsum_rows(first["plain"], keys_col, *columns[:first["own"]])
 
     tile = _fold("tra_einsum_group", products())
-    meta, keys, epilogue = first[0]
-    if not epilogue:
-        return tile
-    return reduce_partials(meta, keys, pa.array([[tile]], pa.list_(pa.large_binary())), *epilogue)[0].as_py()
+    if not first["epilogue"]:
+        return tile.tobytes()
+    partial = pa.LargeListArray.from_arrays(pa.array([0, 1], pa.int64()),
+                                            binary_array(tile.view(np.uint8), np.array([0, tile.nbytes])))
+    return reduce_partials(first["meta"], first["keys"], partial, *first["epilogue"])[0].as_py()
 
 
 def reduce_group(batches) -> bytes:
     """``tra_reduce_group(meta, partial)``, a grouped aggregate: the partial results of one
     output tile (all of its shape) come in batches, reduced with the step's aggregate."""
     _settle()
-    return _fold("tra_reduce_group", batches)
+    return _fold("tra_reduce_group", batches).tobytes()
 
 
 GROUPED = {"einsum_group": einsum_group, "reduce_group": reduce_group}  # by kernel kind
