@@ -22,7 +22,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 import tra_sql  # noqa: E402
 from tra_sql import graph, nn  # noqa: E402
 from tra_sql.backends import spark_jobs, spark_pipeline, spark_sql, spark_train, transfer  # noqa: E402
-from tra_sql.backends.spark import CODEGEN_CACHE, JAVA_OPTIONS, ONE_JOB, TILE_COPIES  # noqa: E402
+from tra_sql.backends.spark import CODEGEN_CACHE, JAVA_OPTIONS, ONE_JOB, TILE_COPIES, UNIX_SOCKETS  # noqa: E402
 from tra_sql.backends.standalone import StandaloneCluster  # noqa: E402
 from tra_sql.optim import SGD, Adam  # noqa: E402
 from tra_sql.tensor import Tensor  # noqa: E402
@@ -574,6 +574,17 @@ def test_the_jvms_tra_sql_starts_compile_with_c1_only(cdb):
         if b"org.apache.spark.executor.CoarseGrainedExecutorBackend" in arguments and app in arguments:
             executors.append({a.decode() for a in arguments})
     assert len(executors) == 2 and all(set(JAVA_OPTIONS.split()) <= e for e in executors)
+
+
+def test_executors_talk_to_their_python_workers_over_unix_sockets(cdb):
+    """The executors of an application tra_sql starts reach their Python workers over Unix
+    domain sockets (``UNIX_SOCKETS``): the workers' daemon was told so."""
+    from pyspark.sql.functions import udf
+
+    assert cdb.engine.conf[next(iter(UNIX_SOCKETS))] == "true"
+    mode = udf(lambda _: os.environ.get("PYTHON_UNIX_DOMAIN_ENABLED", "unset").lower(), "string")
+    rows = cdb.engine.spark.range(0, 4, numPartitions=2).select(mode("id").alias("mode")).distinct().collect()
+    assert [row.mode for row in rows] == ["true"]
 
 
 def test_a_training_step_compiles_its_classes_once(sdb):

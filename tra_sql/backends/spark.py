@@ -87,6 +87,11 @@ BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 #: in steps 36-39, and the median of steps 21-40 took 1.63 against 1.90 s on two cores
 #: (bench/RESULTS.md).
 JAVA_OPTIONS = "-XX:+IgnoreUnrecognizedVMOptions -XX:TieredStopAtLevel=1"
+#: Every tile a kernel reads or writes crosses the socket between an executor and its Python
+#: worker (a 100k-node GCN step: ~380 MB in, ~60 MB out). tra_sql's applications use Unix
+#: domain sockets for it, not TCP over the loopback (Spark's default; Spark 4.1+): the steady
+#: epoch of that GCN took 3.8-4.0 s against 4.2-4.5 s over TCP, alternated (bench/RESULTS.md).
+UNIX_SOCKETS = {"spark.python.unix.domain.socket.enabled": "true"}
 
 
 DUCKDB_ONLY = ("this is a Spark session: the feature you used (transactions, check, execute) runs on "
@@ -125,6 +130,7 @@ def _start(master, app_name, root: Path, driver_memory, executor_memory, executo
         "spark.sql.execution.useObjectHashAggregateExec": "false",
         "spark.sql.codegen.cache.maxEntries": str(CODEGEN_CACHE),
         "spark.driver.extraJavaOptions": JAVA_OPTIONS, "spark.executor.extraJavaOptions": JAVA_OPTIONS,
+        **UNIX_SOCKETS,
     }
     if executor_cores is not None:
         settings["spark.executor.cores"] = str(executor_cores)
