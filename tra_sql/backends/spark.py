@@ -89,8 +89,9 @@ BATCH_BYTES = "spark.sql.execution.arrow.maxBytesPerBatch"
 JAVA_OPTIONS = "-XX:+IgnoreUnrecognizedVMOptions -XX:TieredStopAtLevel=1"
 #: Every tile a kernel reads or writes crosses the socket between an executor and its Python
 #: worker (a 100k-node GCN step: ~380 MB in, ~60 MB out). tra_sql's applications use Unix
-#: domain sockets for it, not TCP over the loopback (Spark's default; Spark 4.1+): the steady
-#: epoch of that GCN took 3.8-4.0 s against 4.2-4.5 s over TCP, alternated (bench/RESULTS.md).
+#: domain sockets for it, not TCP over the loopback (Spark's default; Spark 4.1+): that GCN's
+#: steady epoch used 6% less CPU in four alternated pairs, median 3.90 s against 4.12 s over TCP
+#: (bench/RESULTS.md). A ``config`` may set it back to ``"false"``.
 UNIX_SOCKETS = {"spark.python.unix.domain.socket.enabled": "true"}
 
 
