@@ -582,7 +582,8 @@ def test_executors_talk_to_their_python_workers_over_unix_sockets(cdb):
     from pyspark.sql.functions import udf
 
     assert cdb.engine.conf[next(iter(UNIX_SOCKETS))] == "true"
-    mode = udf(lambda _: os.environ.get("PYTHON_UNIX_DOMAIN_ENABLED", "unset").lower(), "string")
+    mode = udf(lambda _: os.environ.get("PYTHON_UNIX_DOMAIN_ENABLED", "unset").lower(), "string",
+               useArrow=False)
     rows = cdb.engine.spark.range(0, 4, numPartitions=2).select(mode("id").alias("mode")).distinct().collect()
     assert [row.mode for row in rows] == ["true"]
 
